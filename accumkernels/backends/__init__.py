@@ -1,0 +1,60 @@
+"""Backend registry for ``accumulate_``.
+
+Each backend module exposes ``is_available(device) -> bool`` and
+``accumulate(dst, src, scale, scale_tensor, overwrite, found_inf) -> None``, which receives
+already-validated, non-empty, same-device lists (see ``accumkernels.ops``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("cuda", "triton", "cpu", "torch")
+
+# Preference order of ``backend="auto"`` per device type: fastest first.
+_AUTO_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpu", "torch")}
+
+# "cuda" and "cpu" are two faces of the same compiled module.
+_MODULES = {"cuda": "native", "cpu": "native", "triton": "triton", "torch": "torch"}
+
+
+def get(name: str) -> ModuleType:
+    """The module implementing backend ``name`` (imported lazily: triton is optional)."""
+    return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+
+
+def is_available(name: str, device: torch.device) -> bool:
+    """Whether backend ``name`` can run on ``device``."""
+    if name == "cuda" and device.type != "cuda":
+        return False
+    if name == "cpu" and device.type != "cpu":
+        return False
+    return get(name).is_available(device)
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends usable on ``device``, fastest first (the order ``"auto"`` tries them in)."""
+    device = torch.device(device)
+    order = _AUTO_ORDER.get(device.type, ("torch",))
+    usable = [b for b in order if is_available(b, device)]
+    # Triton also runs on the CPU under TRITON_INTERPRET=1, but only for testing: never "auto".
+    usable += [b for b in BACKENDS if b not in order and is_available(b, device)]
+    return usable
+
+
+def resolve(name: str, device: torch.device) -> str:
+    """Map ``"auto"`` to the fastest backend on ``device``; check an explicit name is usable."""
+    if name == "auto":
+        for candidate in _AUTO_ORDER.get(device.type, ("torch",)):
+            if is_available(candidate, device):
+                return candidate
+        return "torch"
+    if not is_available(name, device):
+        raise ValueError(
+            f"accumulate_: backend {name!r} is not available on device {device}; "
+            f"available: {available_backends(device)}"
+        )
+    return name
