@@ -18,7 +18,8 @@ BACKENDS = ("cuda", "triton", "cpu", "torch")
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpu", "torch")}
 
 # "cuda" and "cpu" are two faces of the same compiled module.
-_MODULES = {"cuda": "native", "cpu": "native", "triton": "triton", "torch": "torch"}
+# Module names differ from "torch" so a submodule never shadows the torch import here.
+_MODULES = {"cuda": "native", "cpu": "native", "triton": "triton", "torch": "reference"}
 
 
 def get(name: str) -> ModuleType:

@@ -76,8 +76,7 @@ if triton is not None:
             y = tl.load(dst + offsets, mask=mask) + x * s
         tl.store(dst + offsets, y, mask=mask)
         if CHECK_FINITE:
-            # x - x is 0 for finite x and NaN for inf/NaN.
-            bad = tl.max(((x - x) != 0).to(tl.int32), axis=0)
+            bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0)
             if bad > 0:
                 tl.store(found_inf_ptr, 1.0)
 

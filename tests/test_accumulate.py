@@ -1,0 +1,165 @@
+"""accumulate_ on every backend against a float64 reference (see reference.py for the bound)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE_BACKENDS
+from reference import Reference
+
+import accumkernels
+
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float16, id="fp16"),
+]
+SIZES = [0, 1, 3, 4097, 65537, 65538]
+NAN = float("nan")
+
+
+def rand_src(numel, dtype, device, shape=None):
+    """Random gradients spread over several binades (never zeros)."""
+    x = torch.randn(numel, dtype=torch.float32) * torch.exp2(torch.randint(-6, 6, (numel,)).float())
+    return x.to(dtype).reshape(shape if shape is not None else (numel,)).to(device)
+
+
+def rand_dst(numel, device, shape=None):
+    return torch.randn(numel, dtype=torch.float32).reshape(shape or (numel,)).to(device)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+def test_matches_reference(device, backend, dtype, numel):
+    dst = [rand_dst(numel, device), rand_dst(7, device, (7, 1))]
+    src = [rand_src(numel, dtype, device), rand_src(7, dtype, device, (7, 1))]
+    scale = torch.rand(()).item() * 4 - 2
+    refs = [Reference(d) for d in dst]
+    for r, x in zip(refs, src):
+        r.add(x, scale)
+    accumkernels.accumulate_(dst, src, scale, backend=backend)
+    for i, (r, d) in enumerate(zip(refs, dst)):
+        r.check(d, f"dst[{i}]")
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_many_tensors_mixed_dtypes_one_call(device, backend):
+    n = 1200
+    numels = torch.randint(1, 200, (n,)).tolist()
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    dst = [rand_dst(k, device) for k in numels]
+    src = [rand_src(k, dtypes[i % 3], device) for i, k in enumerate(numels)]
+    refs = [Reference(d) for d in dst]
+    for r, x in zip(refs, src):
+        r.add(x, 0.375)
+    accumkernels.accumulate_(dst, src, 0.375, backend=backend)
+    for i, (r, d) in enumerate(zip(refs, dst)):
+        r.check(d, f"dst[{i}]")
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chain_of_64_microbatches(device, backend, dtype):
+    """64 micro-batches of 1/64-scaled gradients: fp32 accumulation within 1e-6 relative."""
+    numel, steps, scale = 4099, 64, 1.0 / 64
+    dst = [torch.full((numel,), NAN, device=device)]  # poisoned: overwrite must not read it
+    ref = Reference(dst[0])
+    for k in range(steps):
+        src = [rand_src(numel, dtype, device)]
+        accumkernels.accumulate_(dst, src, scale, overwrite=(k == 0), backend=backend)
+        ref.add(src[0], scale, overwrite=(k == 0))
+    ref.check(dst[0], "chain")
+    rel = (dst[0].cpu().double() - ref.value).abs().max() / ref.value.abs().max()
+    assert rel <= 1e-6
+
+
+def test_reference_bound_rejects_low_precision_accumulation():
+    """The bound is tight enough to fail: bf16 accumulation of the same chain violates it."""
+    numel, scale = 4099, 1.0 / 64
+    acc = torch.zeros(numel, dtype=torch.bfloat16)
+    ref = Reference(acc.float())
+    for _ in range(64):
+        x = rand_src(numel, torch.bfloat16, "cpu")
+        acc += x * scale
+        ref.add(x, scale)
+    with pytest.raises(AssertionError, match="exceeds fp32 bound"):
+        ref.check(acc.float())
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0dim", "1elem"])
+def test_tensor_scale(device, backend, shape):
+    scale_value = -0.7109375
+    scale = torch.full(shape, scale_value, device=device)
+    dst = [rand_dst(4097, device), rand_dst(3, device)]
+    src = [rand_src(4097, torch.bfloat16, device), rand_src(3, torch.float32, device)]
+    refs = [Reference(d) for d in dst]
+    for r, x in zip(refs, src):
+        r.add(x, scale_value)
+    accumkernels.accumulate_(dst, src, scale, backend=backend)
+    for r, d in zip(refs, dst):
+        r.check(d)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_overwrite_never_reads_dst(device, backend, dtype):
+    dst = [torch.full((n,), NAN, device=device) for n in (1, 4097, 65538)]
+    src = [rand_src(d.numel(), dtype, device) for d in dst]
+    accumkernels.accumulate_(dst, src, 0.25, overwrite=True, backend=backend)
+    for d, x in zip(dst, src):
+        ref = Reference(d)
+        ref.add(x, 0.25, overwrite=True)
+        ref.check(d)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), NAN], ids=["inf", "-inf", "nan"])
+def test_found_inf(device, backend, dtype, bad):
+    dst = [rand_dst(n, device) for n in (5, 4097, 300)]
+    src = [rand_src(d.numel(), dtype, device) for d in dst]
+    src[1][4096] = bad  # last element of the middle tensor: a tail position
+    refs = [Reference(d) for d in dst]
+    for r, x in zip(refs, src):
+        r.add(x, 0.5)
+    found_inf = torch.zeros(1, device=device)
+    accumkernels.accumulate_(dst, src, 0.5, found_inf=found_inf, backend=backend)
+    assert found_inf.item() == 1.0
+    for r, d in zip(refs, dst):  # dst is still written, bad element included
+        r.check(d)
+
+    # A clean call never resets the flag, and never raises a clear one.
+    clean = [rand_src(d.numel(), dtype, device) for d in dst]
+    accumkernels.accumulate_(dst, clean, 0.5, found_inf=found_inf, backend=backend)
+    assert found_inf.item() == 1.0
+    fresh = torch.zeros((), device=device)
+    accumkernels.accumulate_(dst, clean, 0.5, found_inf=fresh, backend=backend)
+    assert fresh.item() == 0.0
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_empty_inputs_are_noops(device, backend):
+    accumkernels.accumulate_([], [], 2.0, backend=backend)
+    dst = [torch.empty(0, device=device), torch.empty(0, 3, device=device)]
+    src = [torch.empty(0, device=device, dtype=torch.bfloat16), torch.empty(0, 3, device=device)]
+    found_inf = torch.zeros(1, device=device)
+    accumkernels.accumulate_(dst, src, 2.0, found_inf=found_inf, backend=backend)
+    assert found_inf.item() == 0.0
+
+
+def test_available_backends_on_cpu():
+    backends = accumkernels.available_backends("cpu")
+    assert backends[:2] == ["cpu", "torch"], "the compiled CPU backend must be built and preferred"
+    assert accumkernels.available_backends(torch.device("cpu")) == backends
+    assert "cuda" not in backends
+
+
+def test_auto_matches_explicit_cpu_backend():
+    dst = [rand_dst(4097, "cpu")]
+    src = [rand_src(4097, torch.bfloat16, "cpu")]
+    expected = [dst[0].clone()]
+    accumkernels.accumulate_(expected, src, 0.125, backend="cpu")
+    accumkernels.accumulate_(dst, src, 0.125)
+    assert torch.equal(dst[0], expected[0])
