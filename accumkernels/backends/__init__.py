@@ -46,6 +46,9 @@ def available_backends(device: torch.device | str) -> list[str]:
     return usable
 
 
+# Availability depends only on the process (what is built/installed), so torch.compile may
+# treat the answer as a constant instead of tracing imports.
+@torch.compiler.assume_constant_result
 def resolve(name: str, device: torch.device) -> str:
     """Map ``"auto"`` to the fastest backend on ``device``; check an explicit name is usable."""
     if name == "auto":
