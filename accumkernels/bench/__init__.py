@@ -1,29 +1,20 @@
-"""Benchmark CLI for ``accumulate_``: ``python -m accumkernels.bench [--quick] [--help]``.
+"""Benchmark helpers for ``accumulate_``: workloads, providers, checks, timers.
 
-Times the fused op against the loops people write today, as effective bandwidth (bytes read +
-written per second) next to a device-to-device ``copy_`` measured in the same run. Every
-provider is checked against a float64 reference before it is timed. Prints a table to stdout
-and writes a JSON record (fields: benchmarks/results/README.md).
+The CLI built from them is ``python -m accumkernels.bench`` (see cli.py); the pytest-benchmark
+suite in benchmarks/bench_accumulate.py reuses them. Performance is reported as effective
+bandwidth (bytes read + written per second) next to a device-to-device ``copy_``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import fnmatch
 import itertools
-import json
 import math
-import os
-import platform
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 
