@@ -1,0 +1,53 @@
+// accumkernels native kernels: dst[i] = (overwrite ? 0 : dst[i]) + scale * float32(src[i]).
+//
+// Plain C++ interface (no Python, no libtorch): raw pointers, sizes and dtype codes, so that
+// accumulate_cuda.cu compiles with nvcc alone and bindings.cpp is the only pybind11 user.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace accumkernels {
+
+// Source dtype codes; the values are part of the Python interface (_C.DTYPE_*).
+enum DType : int32_t {
+  kFloat32 = 0,
+  kBFloat16 = 1,
+  kFloat16 = 2,
+};
+
+// One (dst, src) pair: dst is a contiguous float32 array, src a contiguous array of `dtype`,
+// both `numel` elements long.
+struct TensorPair {
+  float* dst;
+  const void* src;
+  int64_t numel;
+  int32_t dtype;
+};
+
+// Arguments shared by both backends.
+struct AccumulateArgs {
+  const TensorPair* tensors;  // `num_tensors` pairs; pairs with numel == 0 are skipped
+  size_t num_tensors;
+  float scale;                // used when scale_ptr is null
+  const float* scale_ptr;     // optional: scale read from here (host for CPU, device for CUDA)
+  bool overwrite;             // true: dst = scale * src, dst is never read
+  float* found_inf;           // optional: set to 1.0f if any src element is inf/NaN
+};
+
+// CPU: parallel over fixed-size chunks of the whole list with `num_threads` threads
+// (<= 0: the OpenMP default). Blocking; safe to call without the GIL.
+void accumulate_cpu(const AccumulateArgs& args, int num_threads);
+
+// Which SIMD path the CPU kernel picked at run time, e.g. "avx2+fma+f16c" or "generic".
+std::string cpu_simd_name();
+bool cpu_has_openmp();
+
+// CUDA: one launch for the whole list on `stream` (a cudaStream_t) of `device`; pointers in
+// `args` are device addresses. Throws std::runtime_error on a CUDA error. Only defined when
+// the module was built with CUDA (ACCUMKERNELS_WITH_CUDA).
+void accumulate_cuda(const AccumulateArgs& args, void* stream, int device);
+std::string cuda_runtime_version();  // CUDART_VERSION the kernels were compiled against
+
+}  // namespace accumkernels
