@@ -1,0 +1,153 @@
+"""MasterGradBuffer: flat fp32 master-gradient storage with per-param views and buckets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from accumkernels.ops import accumulate_
+
+__all__ = ["Bucket", "MasterGradBuffer"]
+
+# Each param's view starts on a 128-byte boundary so the kernels' 16-byte vector path applies
+# to every view (and views never share a cache line). Padding stays zero.
+_ALIGN_ELEMS = 32
+
+
+@dataclass
+class Bucket:
+    """A contiguous range of one device's buffer: the unit of fused launches and of reduction."""
+
+    index: int
+    device: torch.device
+    params: list[torch.Tensor]
+    views: list[torch.Tensor]
+    flat: torch.Tensor  # the bucket's range of the device buffer, padding included
+    positions: dict[int, int] = field(default_factory=dict)  # id(param) -> index in params
+
+
+class MasterGradBuffer:
+    """One contiguous fp32 buffer per device holding a master gradient for every trainable param.
+
+    ``view(p)`` (also set as ``p.main_grad``, Megatron's convention) is p's slice of the buffer.
+    Params are laid out in reverse registration order (close to the order backward produces
+    their gradients) and grouped into buckets of about ``bucket_size_mb``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        bucket_size_mb: float = 25,
+    ):
+        if dtype != torch.float32:
+            raise ValueError(f"MasterGradBuffer: only dtype=torch.float32 is supported, got {dtype}")
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) \
+                or not bucket_size_mb > 0:
+            raise ValueError(f"MasterGradBuffer: bucket_size_mb must be > 0, got {bucket_size_mb!r}")
+        if isinstance(params, torch.Tensor):
+            raise TypeError("MasterGradBuffer: params must be an iterable of tensors, not a tensor")
+        params = [p for p in params if p.requires_grad]
+        seen: set[int] = set()
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"MasterGradBuffer: params[{i}] is {type(p).__name__}, not a tensor")
+            if id(p) in seen:
+                raise ValueError(f"MasterGradBuffer: params[{i}] appears more than once")
+            if p.device.type == "meta":
+                raise ValueError(f"MasterGradBuffer: params[{i}] is on the meta device; "
+                                 "materialise the model (e.g. to_empty) first")
+            if not p.is_floating_point():
+                raise TypeError(f"MasterGradBuffer: params[{i}] has dtype {p.dtype}; "
+                                "expected a floating-point parameter")
+            seen.add(id(p))
+        self.params = params
+        self.dtype = dtype
+        self.bucket_size = max(1, int(bucket_size_mb * 2**20) // 4)
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+        self.buckets: list[Bucket] = []
+        self._views: dict[int, torch.Tensor] = {}
+        self._bucket_of: dict[int, Bucket] = {}
+        self._build()
+
+    def _build(self) -> None:
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in reversed(self.params):
+            by_device.setdefault(p.device, []).append(p)
+        for device, params in by_device.items():
+            offsets, total = [], 0
+            for p in params:
+                offsets.append(total)
+                total += -(-p.numel() // _ALIGN_ELEMS) * _ALIGN_ELEMS
+            flat = torch.zeros(total, dtype=self.dtype, device=device)
+            self.buffers[device] = flat
+            start = 0  # bucket start offset
+            members: list[tuple[torch.Tensor, int]] = []
+            for p, off in zip(params, offsets):
+                if members and off + p.numel() - start > self.bucket_size:
+                    self._add_bucket(device, flat, members, start, off)
+                    start, members = off, []
+                members.append((p, off))
+            if members:
+                self._add_bucket(device, flat, members, start, total)
+
+    def _add_bucket(self, device, flat, members, start, end) -> None:
+        bucket = Bucket(len(self.buckets), device, [], [], flat[start:end])
+        for p, off in members:
+            view = flat[off:off + p.numel()].view(p.shape)
+            bucket.positions[id(p)] = len(bucket.params)
+            bucket.params.append(p)
+            bucket.views.append(view)
+            self._views[id(p)] = view
+            self._bucket_of[id(p)] = bucket
+            p.main_grad = view
+        self.buckets.append(bucket)
+
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        """p's fp32 master gradient: a view into the flat buffer."""
+        try:
+            return self._views[id(p)]
+        except KeyError:
+            raise KeyError("MasterGradBuffer.view: this tensor is not managed by the buffer") from None
+
+    def bucket_of(self, p: torch.Tensor) -> Bucket:
+        """The bucket holding p's master gradient."""
+        return self._bucket_of[id(p)]
+
+    def __contains__(self, p: object) -> bool:
+        return id(p) in self._views
+
+    @property
+    def numel(self) -> int:
+        """Elements over all devices, alignment padding included."""
+        return sum(b.numel() for b in self.buffers.values())
+
+    def zero_(self) -> None:
+        """Zero every master gradient."""
+        for flat in self.buffers.values():
+            flat.zero_()
+
+    def accumulate(
+        self,
+        bucket: Bucket,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        scale: float | torch.Tensor = 1.0,
+        *,
+        overwrite: bool = False,
+        found_inf: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> None:
+        """One fused launch: ``view(p) (+)= scale * grad`` for the given params of ``bucket``.
+
+        With ``overwrite`` the params of the bucket that are *not* given are zeroed, so the whole
+        bucket holds exactly this micro-batch afterwards.
+        """
+        if overwrite and len(params) != len(bucket.params):
+            bucket.flat.zero_()
+            overwrite = False
+        accumulate_([self._views[id(p)] for p in params], grads, scale, overwrite=overwrite,
+                    found_inf=found_inf, backend=backend)

@@ -1,0 +1,492 @@
+"""AccumulatingOptimizer: gradient accumulation in fp32 master buffers around any optimizer.
+
+Window logic, reductions, master weights, loss scaling, clipping and state_dict live here; the
+fp32 storage is a MasterGradBuffer and every gradient move is one fused ``accumulate_`` launch
+per bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from accumkernels import backends
+from accumkernels.buffer import MasterGradBuffer
+from accumkernels.checks import check_model
+from accumkernels.scaling import LossScaler
+
+__all__ = ["AccumulatingOptimizer"]
+
+REDUCTIONS = ("sum", "mean", "weighted")
+NONFINITE_POLICIES = ("skip_step", "skip_microbatch", "raise")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Tensor.grad_dtype lets an fp32 .grad sit on a bf16/fp16 param (recent PyTorch).
+_HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
+
+
+def _check_choice(name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+class AccumulatingOptimizer(torch.optim.Optimizer):
+    """Wraps a constructed optimizer; accumulates micro-batch gradients in fp32, then steps it.
+
+    It shares ``param_groups`` with the inner optimizer, so LR schedulers and training
+    frameworks accept it unchanged. See DESIGN.md for the full semantics of every argument.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        accumulation_steps: int | None = None,
+        reduction: str = "sum",
+        master_weights: bool | str = "auto",
+        accumulate_in_backward: bool = True,
+        max_grad_norm: float | None = None,
+        nonfinite: str = "skip_step",
+        loss_scale: float | str | None = None,
+        process_group: object | None = None,
+        bucket_size_mb: float = 25,
+        backend: str = "auto",
+        model: torch.nn.Module | None = None,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, AccumulatingOptimizer):
+            raise TypeError("optimizer is already an AccumulatingOptimizer")
+        if accumulation_steps is not None:
+            if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
+                raise TypeError(f"accumulation_steps must be an int or None, got {accumulation_steps!r}")
+            if accumulation_steps <= 0:
+                raise ValueError(f"accumulation_steps must be positive, got {accumulation_steps}")
+        _check_choice("reduction", reduction, REDUCTIONS)
+        _check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        _check_choice("master_weights", master_weights, ("auto", True, False))
+        _check_choice("backend", backend, ("auto",) + backends.BACKENDS)
+        if not isinstance(accumulate_in_backward, bool):
+            raise TypeError("accumulate_in_backward must be a bool")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+                raise TypeError(f"max_grad_norm must be a float or None, got {max_grad_norm!r}")
+            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+                raise ValueError(f"max_grad_norm must be a finite positive number, got {max_grad_norm}")
+        if process_group is not None:
+            raise NotImplementedError("process_group (data parallel) is not implemented yet")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self._scaler = LossScaler(loss_scale)
+
+        seen: set[int] = set()
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                where = f"param_groups[{g}]['params'][{i}]"
+                if id(p) in seen:
+                    raise ValueError(f"{where} appears more than once in the optimizer")
+                if p.device.type == "meta":
+                    raise ValueError(f"{where} is on the meta device; materialise the model first")
+                seen.add(id(p))
+
+        # torch.optim.Optimizer.__init__ would build its own param_groups; we share the inner
+        # optimizer's instead and only set up the hook registries the base class uses.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._warned_capturable_if_run_uncaptured = True
+        self._patch_step_function()
+
+        self.optimizer = optimizer
+        self.accumulation_steps = accumulation_steps
+        self.reduction = reduction
+        self.nonfinite = nonfinite
+        self.max_grad_norm = max_grad_norm
+        self.accumulate_in_backward = accumulate_in_backward
+        self.backend = backend
+        self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        if model is not None:
+            check_model(model)
+
+        self._params = [p for group in optimizer.param_groups for p in group["params"]
+                        if p.requires_grad]
+        self._buffer = MasterGradBuffer(self._params, bucket_size_mb=bucket_size_mb)
+        if master_weights == "auto":
+            master_weights = any(p.dtype in _LOW_PRECISION for p in self._params)
+        self.master_weights = master_weights
+        self._masters: dict[int, torch.Tensor] = {}
+        if master_weights:
+            self._retarget_to_masters()
+
+        self.skipped_steps = 0
+        self.skipped_microbatches = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        devices = list(self._buffer.buffers)
+        self._found_inf = torch.zeros(1, device=devices[0] if devices else "cpu")
+        self._in_backward = False
+        self._ready: dict[int, list[torch.Tensor]] = {}  # bucket index -> params with grads
+        self._reset_window()
+        self._hooks = []
+        for p in self._params:
+            self._hooks.append(p.register_hook(self._before_grad_accumulation))
+            if accumulate_in_backward:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # -- sharing the inner optimizer ------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError("AccumulatingOptimizer: add param groups to the inner "
+                                  "optimizer before wrapping it")
+
+    def _retarget_to_masters(self) -> None:
+        """Point the inner optimizer at fp32 copies of low-precision params; remap its state."""
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            new_params = []
+            for p in group["params"]:
+                if p.requires_grad and p.dtype in _LOW_PRECISION:
+                    master = torch.nn.Parameter(p.detach().float().clone())
+                    self._masters[id(p)] = master
+                    if p in state:
+                        state[master] = {
+                            k: v.float() if torch.is_tensor(v) and v.dtype in _LOW_PRECISION else v
+                            for k, v in state.pop(p).items()
+                        }
+                    p = master
+                new_params.append(p)
+            group["params"] = new_params
+
+    # -- the window -----------------------------------------------------------------------
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches in the current window (dropped ones included)."""
+        return self._micro_steps
+
+    @property
+    def sync_step(self) -> bool:
+        """Whether step() now ends the window (a real optimizer step)."""
+        return self.accumulation_steps is None or self._micro_steps >= self.accumulation_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self._scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S``; the matching 1/S is fused into accumulation."""
+        return self._scaler.scale_loss(loss)
+
+    def add_weight(self, weight: float | torch.Tensor) -> None:
+        """Report the weight (e.g. token count) of a micro-batch whose loss is a sum."""
+        if self.reduction != "weighted":
+            raise ValueError(f"add_weight() needs reduction='weighted' (this one is {self.reduction!r})")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float, torch.Tensor)):
+            raise TypeError(f"weight must be a number or a 1-element tensor, got {type(weight).__name__}")
+        value = float(weight)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"weight must be finite and positive, got {value}")
+        self._weights.append(value)
+        if self._at_boundary:
+            self._normalise()
+
+    def _prescale(self) -> float:
+        """The scale fused into each launch: unscale the loss, and 1/N for 'mean' with known N."""
+        return (1.0 / self._scaler.scale) / self._divisor
+
+    def _reset_window(self) -> None:
+        self._micro_steps = 0
+        self._kept = 0
+        self._weights: list[float] = []
+        self._dropped: set[int] = set()
+        # The buffer holds sum(g) / _divisor. With 'mean' and known N, 1/N is fused up front.
+        self._divisor = float(self.accumulation_steps) if (
+            self.reduction == "mean" and self.accumulation_steps) else 1.0
+        self._initialized = [False] * len(self._buffer.buckets)
+        self._found_inf.zero_()
+        self._at_boundary = False
+        self._release_grads()
+
+    def reset_window(self) -> None:
+        """Discard the accumulated window."""
+        self._ready = {}
+        self._reset_window()
+
+    def _release_grads(self) -> None:
+        for p in self._params:
+            p.grad = None
+            if _HAS_GRAD_DTYPE and p.dtype in _LOW_PRECISION:
+                p.grad_dtype = None
+        for m in self._masters.values():
+            m.grad = None
+
+    def _before_grad_accumulation(self, grad: torch.Tensor) -> None:
+        if self._at_boundary:
+            raise RuntimeError(
+                f"AccumulatingOptimizer: a backward pass started after the window of "
+                f"{self.accumulation_steps} micro-batches was complete; call step() (or flush()) "
+                "before the next backward")
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket = self._buffer.bucket_of(p)
+        ready = self._ready.setdefault(bucket.index, [])
+        ready.append(p)
+        if self.nonfinite != "skip_microbatch" and len(ready) == len(bucket.params):
+            self._launch(bucket.index, ready)  # the bucket is complete: move it, free the grads
+            del self._ready[bucket.index]
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        self._take_microbatch()
+
+    def accumulate(self) -> None:
+        """Move the model's current ``.grad`` into the window as one micro-batch.
+
+        Needed only with ``accumulate_in_backward=False`` (``step()`` calls it too).
+        """
+        if self._at_boundary:
+            return
+        for p in self._params:
+            if p.grad is not None:
+                self._ready.setdefault(self._buffer.bucket_of(p).index, []).append(p)
+        if self._ready:
+            self._take_microbatch()
+
+    def _take_microbatch(self) -> None:
+        """Close a micro-batch: move the grads not yet moved, count it, maybe end the window."""
+        ready, self._ready = self._ready, {}
+        kept = True
+        if self.nonfinite == "skip_microbatch":
+            grads = [p.grad for params in ready.values() for p in params]
+            kept = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        for index, params in ready.items():
+            if kept:
+                self._launch(index, params)
+            else:
+                for p in params:
+                    p.grad = None
+        self._micro_steps += 1
+        if kept:
+            self._kept += 1
+        else:
+            self._dropped.add(self._micro_steps - 1)
+            self.skipped_microbatches += 1
+            self._scaler.update(found_inf=True)
+        if self.accumulation_steps is not None and self._micro_steps >= self.accumulation_steps:
+            self._finish_window()
+
+    def _launch(self, index: int, params: list[torch.Tensor]) -> None:
+        bucket = self._buffer.buckets[index]
+        check = self.nonfinite != "skip_microbatch"
+        self._buffer.accumulate(bucket, params, [p.grad for p in params], self._prescale(),
+                                overwrite=not self._initialized[index],
+                                found_inf=self._found_inf if check else None, backend=self.backend)
+        self._initialized[index] = True
+        for p in params:
+            p.grad = None
+
+    def _finish_window(self) -> None:
+        """The boundary: normalise, and show the result as the model's ``.grad`` (zero-copy)."""
+        for bucket, initialized in zip(self._buffer.buckets, self._initialized):
+            if not initialized:  # no gradient reached it this window: it holds stale data
+                bucket.flat.zero_()
+        self._initialized = [True] * len(self._initialized)
+        self._normalise()
+        for p in self._params:
+            if p.dtype in _LOW_PRECISION:
+                if not _HAS_GRAD_DTYPE:
+                    continue
+                p.grad_dtype = torch.float32
+            p.grad = self._buffer.view(p)
+        self._at_boundary = True
+
+    def _target_divisor(self) -> float | None:
+        if self.reduction == "sum":
+            return 1.0
+        if self.reduction == "mean":
+            return float(self._kept) if self._kept else None
+        total = sum(w for i, w in enumerate(self._weights) if i not in self._dropped)
+        return total if total > 0 else None
+
+    def _normalise(self) -> None:
+        target = self._target_divisor()
+        if target is None or target == self._divisor:
+            return
+        factor = self._divisor / target
+        for flat in self._buffer.buffers.values():
+            flat.mul_(factor)
+        self._divisor = target
+
+    # -- the step -------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's ``.grad``; the accumulated window is kept (see reset_window)."""
+        for p in self._params:
+            if self._at_boundary or set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def flush(self) -> None:
+        """Take the step now, for a short last window (e.g. at the end of an epoch)."""
+        self._step(force=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Run ``closure`` (if any), then step if the window is complete; returns its loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step(force=False)
+        return loss
+
+    def _step(self, force: bool) -> None:
+        if not self.accumulate_in_backward:
+            self.accumulate()
+        if self._micro_steps == 0 or not (force or self.sync_step):
+            return
+        if not self._at_boundary:
+            self._finish_window()
+        if self._kept == 0:  # every micro-batch was dropped
+            self.skipped_steps += 1
+            self._reset_window()
+            return
+        if self.reduction == "weighted" and self._target_divisor() is None:
+            raise ValueError("reduction='weighted' needs add_weight() for the window's micro-batches")
+        if self.nonfinite != "skip_microbatch" and bool(self._found_inf.item()):
+            if self.nonfinite == "raise":
+                raise FloatingPointError(f"non-finite gradient in {self._first_nonfinite()}")
+            self.skipped_steps += 1
+            self._scaler.update(found_inf=True)
+            self._reset_window()
+            return
+        if self.max_grad_norm is not None:
+            self._clip(self.max_grad_norm)
+        self._inner_step()
+        self._scaler.update(found_inf=False)
+        self._reset_window()
+
+    def _first_nonfinite(self) -> str:
+        for i, p in enumerate(self._params):
+            if not bool(torch.isfinite(self._buffer.view(p)).all()):
+                return self._names.get(id(p), f"parameter {i} (shape {tuple(p.shape)})")
+        return "the window (the gradient was non-finite when accumulated)"
+
+    def _clip(self, max_norm: float) -> None:
+        norms = [torch.linalg.vector_norm(flat) for flat in self._buffer.buffers.values()]
+        device = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for flat in self._buffer.buffers.values():
+            flat.mul_(coef.to(flat.device))
+        self.last_grad_norm = total
+
+    def _inner_step(self) -> None:
+        lowp, masters = [], []
+        for p in self._params:
+            view = self._buffer.view(p)
+            master = self._masters.get(id(p))
+            if master is not None:
+                master.grad = view
+                lowp.append(p)
+                masters.append(master)
+            elif p.dtype in _LOW_PRECISION:  # master_weights=False: grads in the param dtype
+                if _HAS_GRAD_DTYPE:
+                    p.grad_dtype = None
+                p.grad = view.to(p.dtype)
+            else:
+                p.grad = view
+        self.optimizer.step()
+        if lowp:
+            torch._foreach_copy_(lowp, masters)
+
+    # -- checkpointing ----------------------------------------------------------------------
+    def _master_list(self) -> list[torch.Tensor]:
+        return [self._masters[id(p)] for p in self._params if id(p) in self._masters]
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume mid-window exactly (loadable with weights_only=True)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "master_weights": self._master_list(),
+            "main_grad": list(self._buffer.buffers.values()),
+            "window": {
+                "micro_steps": self._micro_steps,
+                "kept": self._kept,
+                "weights": list(self._weights),
+                "dropped": sorted(self._dropped),
+                "divisor": self._divisor,
+                "initialized": list(self._initialized),
+                "at_boundary": self._at_boundary,
+            },
+            "found_inf": self._found_inf,
+            "loss_scale": self._scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "skipped_microbatches": self.skipped_microbatches,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state_dict() of a wrapper built the same way (same params and options)."""
+        masters = self._master_list()
+        buffers = list(self._buffer.buffers.values())
+        for name, mine, theirs in (("master_weights", masters, state_dict["master_weights"]),
+                                   ("main_grad", buffers, state_dict["main_grad"])):
+            if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+                raise ValueError(f"load_state_dict: {name} does not match this optimizer's params")
+        window = state_dict["window"]
+        if len(window["initialized"]) != len(self._initialized):
+            raise ValueError("load_state_dict: saved with a different bucket layout (bucket_size_mb)")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._scaler.load_state_dict(state_dict["loss_scale"])
+        for mine, theirs in zip(masters + buffers, state_dict["master_weights"] + state_dict["main_grad"]):
+            mine.copy_(theirs)
+        lowp = [p for p in self._params if id(p) in self._masters]
+        if lowp:
+            torch._foreach_copy_(lowp, masters)
+        self._reset_window()
+        self._micro_steps = int(window["micro_steps"])
+        self._kept = int(window["kept"])
+        self._weights = [float(w) for w in window["weights"]]
+        self._dropped = set(int(i) for i in window["dropped"])
+        self._divisor = float(window["divisor"])
+        self._initialized = [bool(b) for b in window["initialized"]]
+        self._found_inf.copy_(state_dict["found_inf"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
+        self.skipped_microbatches = int(state_dict["skipped_microbatches"])
+        if window["at_boundary"]:
+            self._finish_window()
+
+    def remove_hooks(self) -> None:
+        """Detach from the model's params (the wrapper stops accumulating during backward)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
