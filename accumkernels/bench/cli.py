@@ -28,9 +28,26 @@ import torch
 import accumkernels
 
 from . import (
-    BASELINES, DTYPES, QUICK_FLAT_NUMEL, REL_TOL, SCALE, Provider, Workload, bytes_per_element,
-    check_provider, format_count, make_providers, make_workload, measure_copy, num_buffer_sets,
-    parse_count, provider_code, random_tensors, sample_indices, select_providers, time_calls,
+    BASELINES,
+    DTYPES,
+    QUICK_FLAT_NUMEL,
+    REL_TOL,
+    SCALE,
+    Provider,
+    Workload,
+    bytes_per_element,
+    check_provider,
+    format_count,
+    make_providers,
+    make_workload,
+    measure_copy,
+    num_buffer_sets,
+    parse_count,
+    provider_code,
+    random_tensors,
+    sample_indices,
+    select_providers,
+    time_calls,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, when run from one
@@ -74,7 +91,8 @@ def git_info(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
     try:
         if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
             return None, None  # installed inside some other repository
-        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        return git("rev-parse", "HEAD"), dirty
     except (OSError, subprocess.SubprocessError):
         return None, None
 
@@ -100,7 +118,8 @@ def environment(device: torch.device) -> dict:
     return {
         "device": str(device), "device_name": gpu["name"] if gpu else cpu_name(),
         "device_slug": device_slug(device), "gpu_name": gpu["name"] if gpu else None, "gpu": gpu,
-        "cpu_name": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu_name": cpu_name(), "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "triton": _triton_version(), "cuda": torch.version.cuda,
         "python": platform.python_version(), "platform": platform.platform(),
         "accumkernels": getattr(accumkernels, "__version__", None),
@@ -112,8 +131,8 @@ def environment(device: torch.device) -> dict:
 def default_out_path(slug: str, date: datetime.date, overwrite: bool, quick: bool) -> Path:
     """benchmarks/results/<slug>-<date>[-overwrite][-quick].json, in the checkout if any."""
     base = REPO_ROOT if git_info()[0] is not None else Path.cwd()
-    name = f"{slug}-{date.isoformat()}{'-overwrite' if overwrite else ''}{'-quick' if quick else ''}"
-    return base / "benchmarks" / "results" / f"{name}.json"
+    suffix = ("-overwrite" if overwrite else "") + ("-quick" if quick else "")
+    return base / "benchmarks" / "results" / f"{slug}-{date.isoformat()}{suffix}.json"
 
 
 # --- measuring --------------------------------------------------------------------------------
@@ -152,7 +171,8 @@ def add_speedups(rows: list[dict]) -> None:
     for r in rows:
         groups.setdefault((r["workload"], r["label"], r["dtype"]), []).append(r)
     for group in groups.values():
-        ms = {r["provider"]: r["median_ms"] for r in group if r["status"] == "ok" and r["median_ms"]}
+        ms = {r["provider"]: r["median_ms"] for r in group
+              if r["status"] == "ok" and r["median_ms"]}
         literal = ms.get("loop_literal")
         best = min((p for p in ("loop_add", "foreach") if p in ms), key=ms.get, default=None)
         for r in group:
@@ -215,14 +235,14 @@ def format_table(record: dict) -> str:
     copy = record["copy"]
     mode = "overwrite" if record["config"]["overwrite"] else "accumulate"
     lines = [
-        f"accumkernels.bench: {record['device_name']} ({record['device']}), torch "
-        f"{record['torch']}, triton {record['triton']}, {record['torch_threads']} threads, "
-        f"{mode}, scale {record['config']['scale']}",
-        f"copy_ fp32 {format_count(copy['numel'])} elements: {copy['median_ms']:.3f} ms, "
-        f"{copy['gbps']:.1f} GB/s",
+        (f"accumkernels.bench: {record['device_name']} ({record['device']}), torch "
+         f"{record['torch']}, triton {record['triton']}, {record['torch_threads']} threads, "
+         f"{mode}, scale {record['config']['scale']}"),
+        (f"copy_ fp32 {format_count(copy['numel'])} elements: {copy['median_ms']:.3f} ms, "
+         f"{copy['gbps']:.1f} GB/s"),
         "",
-        f"{'workload':<14} {'dtype':<5} {'provider':<20} {'median ms':>10} {'GB/s':>7} "
-        f"{'of copy':>7} {'vs literal':>10} {'vs add/foreach':>14}  check",
+        (f"{'workload':<14} {'dtype':<5} {'provider':<20} {'median ms':>10} {'GB/s':>7} "
+         f"{'of copy':>7} {'vs literal':>10} {'vs add/foreach':>14}  check"),
     ]
     for r in record["rows"]:
         lines.append(
