@@ -7,6 +7,7 @@
 // tensors still keeps every thread busy.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -83,7 +84,11 @@ uint32_t run_generic(float* __restrict dst, const void* src, int64_t n, float sc
   for (int64_t i = 0; i < n; ++i) {
     const float x = load_src<kDType>(src, i);
     bad |= is_nonfinite(x);
+#if defined(__FP_FAST_FMAF)  // hardware FMA in the baseline ISA (e.g. aarch64): one rounding
+    dst[i] = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
+#else
     dst[i] = kOverwrite ? scale * x : dst[i] + scale * x;
+#endif
   }
   return bad;
 }
@@ -165,6 +170,10 @@ struct PickAvx2 {
 
 const Kernels& kernels() {
   static const Kernels k = [] {
+    // ACCUMKERNELS_CPU_SIMD=generic forces the portable loop (for testing it on AVX2 machines).
+    const char* force = std::getenv("ACCUMKERNELS_CPU_SIMD");
+    if (force != nullptr && std::strcmp(force, "generic") == 0)
+      return make_kernels<PickGeneric>("generic");
 #if defined(ACCUMKERNELS_X86_DISPATCH)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&

@@ -1,0 +1,56 @@
+"""The native extension builds: the CUDA source compiles with nvcc (no GPU needed), and the built
+accumkernels._C module reports what it was built with consistently."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH: the CUDA kernels cannot be compiled")
+def test_cuda_source_compiles_for_sm90(tmp_path: Path) -> None:
+    """csrc/accumulate_cuda.cu compiles with nvcc alone (no Python/libtorch headers) for sm_90."""
+    obj = tmp_path / "accumulate_cuda.o"
+    cmd = [
+        NVCC, "-std=c++17", "-O3", "-gencode", "arch=compute_90,code=sm_90",
+        "-I", str(CSRC), "-c", str(CSRC / "accumulate_cuda.cu"), "-o", str(obj),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"nvcc failed ({proc.returncode}):\n{proc.stderr}"
+    assert obj.is_file() and obj.stat().st_size > 0
+
+
+def test_build_info_is_consistent() -> None:
+    """has_cuda() agrees with build_info(), and the dtype codes are the documented ones."""
+    C = pytest.importorskip("accumkernels._C", reason="accumkernels._C is not built")
+    info = C.build_info()
+    assert {"cuda", "cuda_archs", "cuda_version", "openmp", "simd"} <= info.keys()
+    assert C.has_cuda() is info["cuda"]
+    assert (C.DTYPE_FLOAT32, C.DTYPE_BFLOAT16, C.DTYPE_FLOAT16) == (0, 1, 2)
+    assert isinstance(info["openmp"], bool) and info["simd"]
+    if info["cuda"]:
+        assert info["cuda_archs"] and info["cuda_version"]
+    else:
+        assert not info["cuda_archs"] and info["cuda_version"] is None
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            C.accumulate_cuda([], [], [], [], 1.0, 0, False, 0, 0, 0)
+
+
+def test_argument_guards() -> None:
+    """Broken argument lists raise ValueError/TypeError before any memory is touched."""
+    C = pytest.importorskip("accumkernels._C", reason="accumkernels._C is not built")
+    C.accumulate_cpu([], [], [], [], 1.0, 0, False, 0, 1)  # empty list: no-op
+    with pytest.raises(ValueError, match="same length"):
+        C.accumulate_cpu([1], [1, 2], [1], [1], 1.0, 0, False, 0, 1)
+    with pytest.raises(ValueError, match="dtype code"):
+        C.accumulate_cpu([1], [1], [1], [7], 1.0, 0, False, 0, 1)
+    with pytest.raises(ValueError, match="null data pointer"):
+        C.accumulate_cpu([0], [8], [4], [0], 1.0, 0, False, 0, 1)
+    with pytest.raises(TypeError, match=r"src_ptrs\[0\]"):
+        C.accumulate_cpu([1], ["x"], [1], [0], 1.0, 0, False, 0, 1)
