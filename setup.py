@@ -25,9 +25,9 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
 _CUDA_MODES = {
-    "auto": "AUTO", "": "AUTO",
-    "1": "ON", "on": "ON", "true": "ON", "yes": "ON",
-    "0": "OFF", "off": "OFF", "false": "OFF", "no": "OFF",
+    **dict.fromkeys(("auto", ""), "AUTO"),
+    **dict.fromkeys(("1", "on", "true", "yes"), "ON"),
+    **dict.fromkeys(("0", "off", "false", "no"), "OFF"),
 }
 _HINT = (
     "Switches to try: ACCUMKERNELS_CUDA=0 (CPU kernels only), "
