@@ -44,9 +44,9 @@ void accumulate_cpu(const AccumulateArgs& args, int num_threads);
 std::string cpu_simd_name();
 bool cpu_has_openmp();
 
-// CUDA: one launch for the whole list on `stream` (a cudaStream_t) of `device`; pointers in
-// `args` are device addresses. Throws std::runtime_error on a CUDA error. Only defined when
-// the module was built with CUDA (ACCUMKERNELS_WITH_CUDA).
+// CUDA: one launch for the whole list on `stream` (a cudaStream_t) of `device` (< 0: the
+// current device); pointers in `args` are device addresses. Throws std::runtime_error on a
+// CUDA error. Only defined when the module was built with CUDA (ACCUMKERNELS_WITH_CUDA).
 void accumulate_cuda(const AccumulateArgs& args, void* stream, int device);
 std::string cuda_runtime_version();  // CUDART_VERSION the kernels were compiled against
 

@@ -198,11 +198,13 @@ void check(cudaError_t err, const char* what) {
                              cudaGetErrorString(err));
 }
 
-// Sets `device` current for the scope and restores the caller's device afterwards.
+// Sets `device` current for the scope and restores the caller's device afterwards; a negative
+// `device` means "the current one" and is replaced by it.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
+  explicit DeviceGuard(int& device) {
     check(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (device < 0) device = prev_;
     if (prev_ != device) check(cudaSetDevice(device), "cudaSetDevice");
     else prev_ = -1;
   }

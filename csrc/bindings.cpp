@@ -63,13 +63,14 @@ std::vector<ak::TensorPair> make_pairs(py::handle dst_ptrs, py::handle src_ptrs,
         std::to_string(n) + ", " + std::to_string(src.size()) + ", " +
         std::to_string(num.size()) + ", " + std::to_string(dt.size()) + ")");
   std::vector<ak::TensorPair> pairs(n);
+  auto fail = [](const std::string& what, size_t i) {
+    throw std::invalid_argument("accumulate: " + what + " at index " + std::to_string(i));
+  };
   for (size_t i = 0; i < n; ++i) {
-    const std::string at = " at index " + std::to_string(i);
-    if (num[i] < 0) throw std::invalid_argument("accumulate: negative numel" + at);
+    if (num[i] < 0) fail("negative numel", i);
     if (dt[i] < ak::kFloat32 || dt[i] > ak::kFloat16)
-      throw std::invalid_argument("accumulate: unknown src dtype code " + std::to_string(dt[i]) + at);
-    if (num[i] > 0 && (dst[i] == 0 || src[i] == 0))
-      throw std::invalid_argument("accumulate: null data pointer" + at);
+      fail("unknown src dtype code " + std::to_string(dt[i]), i);
+    if (num[i] > 0 && (dst[i] == 0 || src[i] == 0)) fail("null data pointer", i);
     pairs[i] = {reinterpret_cast<float*>(static_cast<uintptr_t>(dst[i])),
                 reinterpret_cast<const void*>(static_cast<uintptr_t>(src[i])), num[i],
                 static_cast<int32_t>(dt[i])};
