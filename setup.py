@@ -24,6 +24,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
+DEFAULT_CUDA_ARCHS = "80;90"
 _CUDA_MODES = {
     **dict.fromkeys(("auto", ""), "AUTO"),
     **dict.fromkeys(("1", "on", "true", "yes"), "ON"),
@@ -110,8 +111,9 @@ class CMakeBuild(build_ext):
             f"-DACCUMKERNELS_CUDA={mode}",
             *_ninja_args(),
         ]
-        if os.environ.get("ACCUMKERNELS_CUDA_ARCHS"):
-            cmake_args.append(f"-DACCUMKERNELS_CUDA_ARCHS={os.environ['ACCUMKERNELS_CUDA_ARCHS']}")
+        # Always passed, so a reused build dir does not keep an older cached list.
+        archs = os.environ.get("ACCUMKERNELS_CUDA_ARCHS", "").strip() or DEFAULT_CUDA_ARCHS
+        cmake_args.append(f"-DACCUMKERNELS_CUDA_ARCHS={archs}")
         user_args = shlex.split(os.environ.get("CMAKE_ARGS", ""))
         if mode != "OFF" and not any(a.startswith("-DCMAKE_CUDA_COMPILER") for a in user_args):
             nvcc = _find_nvcc()
