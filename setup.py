@@ -74,7 +74,7 @@ def _find_cmake() -> str:
         import cmake
 
         return str(Path(cmake.CMAKE_BIN_DIR) / "cmake")
-    except ImportError:
+    except (ImportError, AttributeError):
         raise SystemExit("accumkernels: CMake >= 3.24 is required to build _C (pip install cmake)")
 
 
@@ -87,7 +87,7 @@ def _ninja_args() -> list[str]:
         exe = Path(ninja.BIN_DIR) / "ninja"
         if exe.is_file():
             return ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM:FILEPATH={exe}"]
-    except ImportError:
+    except (ImportError, AttributeError):
         pass
     return ["-G", "Ninja"] if shutil.which("ninja") else []
 
