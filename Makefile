@@ -24,6 +24,7 @@ $(VENV)/.build-deps: $(VENV)/.torch
 
 $(VENV)/.installed: $(VENV)/.build-deps $(SOURCES)
 	$(PIP) install --no-build-isolation --no-deps -e .
+	$(PY) -c "import accumkernels._C as C; print('built accumkernels._C:', C.build_info())"
 	touch $@
 
 # The [test] extra of pyproject.toml, without reinstalling (and rebuilding) the package.
