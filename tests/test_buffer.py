@@ -10,7 +10,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_optim import SMALL_BUCKET, batches, capture_grads, make_model, mse, rel_err, run_loop
+from test_optim import (
+    SMALL_BUCKET,
+    batches,
+    capture_grads,
+    make_model,
+    mse,
+    params_of,
+    rel_err,
+    run_loop,
+)
 from torch import nn
 
 from accumkernels import AccumulatingOptimizer, MasterGradBuffer
@@ -220,6 +229,23 @@ def test_param_unused_in_window_is_not_stepped_like_native():
     # window 2 it gets none, so native AdamW leaves it alone.
     for p, q in zip(model.c.parameters(), ref.c.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_frozen_params_are_left_out_by_the_wrapper():
+    model = make_model(torch.bfloat16)
+    model[2].weight.requires_grad_(False)
+    frozen = model[2].weight.detach().clone()
+    opt = AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                accumulation_steps=2, bucket_size_mb=SMALL_BUCKET)
+    assert not hasattr(model[2].weight, "main_grad")
+    inner = [p for g in opt.param_groups for p in g["params"]]
+    assert any(p is model[2].weight for p in inner)  # not re-targeted to an fp32 master
+    start = params_of(model)
+    for x, y in batches(4, 4, torch.bfloat16):
+        mse(model, x, y).backward()
+        opt.step()
+    assert torch.equal(model[2].weight, frozen) and model[2].weight.grad is None
+    assert sum(not torch.equal(p, s) for p, s in zip(model.parameters(), start)) == 5
 
 
 # -- memory and visibility ------------------------------------------------------------------------

@@ -123,6 +123,25 @@ def test_sum_is_a_drop_in_for_trainer_loop(in_backward, steps):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
+@pytest.mark.xfail(strict=True, reason="BUG: with accumulate_in_backward=False a micro-batch is "
+                   "counted only by accumulate()/step(), so a Trainer-style loop (N backwards, "
+                   "one step()) counts 1 of N and step() silently does nothing")
+def test_trainer_loop_without_hooks_steps_at_the_boundary():
+    N = 3
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=N,
+                                accumulate_in_backward=False, bucket_size_mb=SMALL_BUCKET)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    data = batches(N, 4)
+    for mod, o in ((model, opt), (ref, ref_opt)):
+        for x, y in data:
+            (mse(mod, x, y) / N).backward()  # "every backward() ... is one micro-batch"
+        o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):  # fp32 sums of 3 grads, both sides
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
 def test_weighted_equals_full_batch_per_item_mean():
     sizes = (1, 7, 2, 13)
     model = make_model()
