@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--width", type=int, default=None, help="768 (GPT-2) on GPU, 256 on CPU")
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=None, help="12 on GPU, 4 on CPU")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per micro-batch")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--windows", type=int, default=5)
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     width = args.width or (64 if args.quick else 768 if gpu else 256)
-    layers = 2 if args.quick else args.layers
-    tokens = args.tokens or (32 if args.quick else 4096 if gpu else 512)
+    layers = 2 if args.quick else args.layers or (12 if gpu else 4)
+    tokens = args.tokens or (32 if args.quick else 4096 if gpu else 256)
     windows = 2 if args.quick else args.windows
     n_micro = 2 if args.quick else args.microbatches
 
