@@ -50,11 +50,13 @@ class MasterGradBuffer:
             raise ValueError(f"MasterGradBuffer: bucket_size_mb must be > 0, got {bucket_size_mb!r}")
         if isinstance(params, torch.Tensor):
             raise TypeError("MasterGradBuffer: params must be an iterable of tensors, not a tensor")
-        params = [p for p in params if p.requires_grad]
-        seen: set[int] = set()
+        params = list(params)
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"MasterGradBuffer: params[{i}] is {type(p).__name__}, not a tensor")
+        params = [p for p in params if p.requires_grad]
+        seen: set[int] = set()
+        for i, p in enumerate(params):
             if id(p) in seen:
                 raise ValueError(f"MasterGradBuffer: params[{i}] appears more than once")
             if p.device.type == "meta":
@@ -66,7 +68,8 @@ class MasterGradBuffer:
             seen.add(id(p))
         self.params = params
         self.dtype = dtype
-        self.bucket_size = max(1, int(bucket_size_mb * 2**20) // 4)
+        # bucket_size_mb=math.inf: one bucket per device.
+        self.bucket_size = max(1, int(min(bucket_size_mb * 2**20 / 4, 2**62)))
         self.buffers: dict[torch.device, torch.Tensor] = {}
         self.buckets: list[Bucket] = []
         self._views: dict[int, torch.Tensor] = {}

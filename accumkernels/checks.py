@@ -24,14 +24,16 @@ def validate_batch_sizes(global_batch_size: int, micro_batch_size: int, world_si
     w = _positive_int("world_size", world_size)
     per_step = m * w
     if g % per_step:
-        lower, upper = (g // per_step) * per_step, (g // per_step + 1) * per_step
-        per_rank = g // w if g % w == 0 else 0
-        fitting = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-        hint = f"; micro_batch_size values that divide it: {fitting}" if fitting else ""
+        lower, upper = g // per_step * per_step, (g // per_step + 1) * per_step
+        sizes = f"{lower} or {upper}" if lower else f"{upper}"
+        if g % w:
+            hint = f"; no micro_batch_size helps while it is not a multiple of world_size={w}"
+        else:
+            fitting = [d for d in range(1, g // w + 1) if (g // w) % d == 0]
+            hint = f", or a micro_batch_size that divides {g // w}: {fitting}"
         raise ValueError(
             f"global_batch_size={g} is not a multiple of micro_batch_size x world_size = "
-            f"{m} x {w} = {per_step}: use a global batch of {lower or per_step} or {upper}, "
-            f"or change micro_batch_size{hint}"
+            f"{m} x {w} = {per_step}: use a global batch of {sizes}{hint}"
         )
     return g // per_step
 

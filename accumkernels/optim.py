@@ -65,7 +65,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"accumulation_steps must be positive, got {accumulation_steps}")
         _check_choice("reduction", reduction, REDUCTIONS)
         _check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        _check_choice("master_weights", master_weights, ("auto", True, False))
+        if not (master_weights == "auto" or isinstance(master_weights, bool)):
+            raise ValueError(f"master_weights must be 'auto', True or False; got {master_weights!r}")
         _check_choice("backend", backend, ("auto",) + backends.BACKENDS)
         if not isinstance(accumulate_in_backward, bool):
             raise TypeError("accumulate_in_backward must be a bool")
@@ -115,6 +116,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._params = [p for group in optimizer.param_groups for p in group["params"]
                         if p.requires_grad]
         self._buffer = MasterGradBuffer(self._params, bucket_size_mb=bucket_size_mb)
+        for device in self._buffer.buffers:  # an unusable backend fails here, not mid-backward
+            backends.resolve(backend, device)
         if master_weights == "auto":
             master_weights = any(p.dtype in _LOW_PRECISION for p in self._params)
         self.master_weights = master_weights
@@ -192,7 +195,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     @property
     def sync_step(self) -> bool:
         """Whether step() now ends the window (a real optimizer step)."""
-        return self.accumulation_steps is None or self._micro_steps >= self.accumulation_steps
+        n = self.accumulation_steps
+        return n is None or self._micro_steps + self._unmoved >= n
 
     @property
     def loss_scale(self) -> float:
@@ -222,6 +226,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _reset_window(self) -> None:
         self._micro_steps = 0
         self._kept = 0
+        self._unmoved = 0  # backwards whose grads still sit in .grad (accumulate_in_backward=False)
+        self._touched: set[int] = set()  # id() of params that got a gradient this window
         self._weights: list[float] = []
         self._dropped: set[int] = set()
         # The buffer holds sum(g) / _divisor. With 'mean' and known N, 1/N is fused up front.
@@ -246,16 +252,17 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             m.grad = None
 
     def _before_grad_accumulation(self, grad: torch.Tensor) -> None:
+        """Runs before autograd accumulates a param's gradient: marks the start of a micro-batch."""
         if self._at_boundary:
             raise RuntimeError(
                 f"AccumulatingOptimizer: a backward pass started after the window of "
                 f"{self.accumulation_steps} micro-batches was complete; call step() (or flush()) "
                 "before the next backward")
-
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
         bucket = self._buffer.bucket_of(p)
         ready = self._ready.setdefault(bucket.index, [])
         ready.append(p)
@@ -265,40 +272,46 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _end_of_backward(self) -> None:
         self._in_backward = False
-        self._take_microbatch()
+        if self.accumulate_in_backward:
+            self._take_microbatch(1)
+        else:  # counted now, moved by accumulate()/step()
+            self._unmoved += 1
 
     def accumulate(self) -> None:
         """Move the model's current ``.grad`` into the window as one micro-batch.
 
-        Needed only with ``accumulate_in_backward=False`` (``step()`` calls it too).
+        Needed only with ``accumulate_in_backward=False`` (``step()`` calls it too). If several
+        backwards ran since the last call, their summed ``.grad`` counts as that many micro-batches.
         """
         if self._at_boundary:
             return
         for p in self._params:
             if p.grad is not None:
                 self._ready.setdefault(self._buffer.bucket_of(p).index, []).append(p)
+        count, self._unmoved = max(1, self._unmoved), 0
         if self._ready:
-            self._take_microbatch()
+            self._take_microbatch(count)
 
-    def _take_microbatch(self) -> None:
-        """Close a micro-batch: move the grads not yet moved, count it, maybe end the window."""
+    def _take_microbatch(self, count: int) -> None:
+        """Close ``count`` micro-batches: move the grads not yet moved, maybe end the window."""
         ready, self._ready = self._ready, {}
         kept = True
         if self.nonfinite == "skip_microbatch":
             grads = [p.grad for params in ready.values() for p in params]
-            kept = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+            kept = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         for index, params in ready.items():
             if kept:
                 self._launch(index, params)
             else:
                 for p in params:
                     p.grad = None
-        self._micro_steps += 1
+        first = self._micro_steps
+        self._micro_steps += count
         if kept:
-            self._kept += 1
+            self._kept += count
         else:
-            self._dropped.add(self._micro_steps - 1)
-            self.skipped_microbatches += 1
+            self._dropped.update(range(first, self._micro_steps))
+            self.skipped_microbatches += count
             self._scaler.update(found_inf=True)
         if self.accumulation_steps is not None and self._micro_steps >= self.accumulation_steps:
             self._finish_window()
@@ -312,6 +325,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._initialized[index] = True
         for p in params:
             p.grad = None
+            self._touched.add(id(p))
 
     def _finish_window(self) -> None:
         """The boundary: normalise, and show the result as the model's ``.grad`` (zero-copy)."""
@@ -321,6 +335,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._initialized = [True] * len(self._initialized)
         self._normalise()
         for p in self._params:
+            if id(p) not in self._touched:  # like native: no gradient, no .grad
+                continue
             if p.dtype in _LOW_PRECISION:
                 if not _HAS_GRAD_DTYPE:
                     continue
@@ -354,6 +370,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             elif p.grad is not None:
                 p.grad.zero_()
 
+    @torch.no_grad()
     def flush(self) -> None:
         """Take the step now, for a short last window (e.g. at the end of an epoch)."""
         self._step(force=True)
@@ -412,12 +429,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _inner_step(self) -> None:
         lowp, masters = [], []
         for p in self._params:
-            view = self._buffer.view(p)
             master = self._masters.get(id(p))
             if master is not None:
-                master.grad = view
                 lowp.append(p)
                 masters.append(master)
+            if id(p) not in self._touched:  # the inner optimizer skips params without .grad
+                continue
+            view = self._buffer.view(p)
+            if master is not None:
+                master.grad = view
             elif p.dtype in _LOW_PRECISION:  # master_weights=False: grads in the param dtype
                 if _HAS_GRAD_DTYPE:
                     p.grad_dtype = None
@@ -440,6 +460,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "main_grad": list(self._buffer.buffers.values()),
             "window": {
                 "micro_steps": self._micro_steps,
+                "unmoved": self._unmoved,
+                "touched": [i for i, p in enumerate(self._params) if id(p) in self._touched],
                 "kept": self._kept,
                 "weights": list(self._weights),
                 "dropped": sorted(self._dropped),
@@ -474,6 +496,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(lowp, masters)
         self._reset_window()
         self._micro_steps = int(window["micro_steps"])
+        self._unmoved = int(window["unmoved"])
+        self._touched = {id(self._params[int(i)]) for i in window["touched"]}
         self._kept = int(window["kept"])
         self._weights = [float(w) for w in window["weights"]]
         self._dropped = set(int(i) for i in window["dropped"])

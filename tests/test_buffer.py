@@ -129,15 +129,11 @@ def test_buffer_rejects_bad_input():
         MasterGradBuffer([p]).view(nn.Parameter(torch.randn(4)))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a non-tensor element raises AttributeError "
-                   "(p.requires_grad is read before the isinstance check), not TypeError")
 def test_buffer_rejects_non_tensor_element():
     with pytest.raises(TypeError, match=r"params\[1\]"):
         MasterGradBuffer([nn.Parameter(torch.randn(4)), 1.0])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: bucket_size_mb=inf raises OverflowError from "
-                   "int(inf); it should mean one bucket, or be a ValueError")
 def test_buffer_infinite_bucket_size():
     try:
         buf = MasterGradBuffer([nn.Parameter(torch.randn(4))], bucket_size_mb=math.inf)
@@ -209,9 +205,6 @@ def test_partial_buckets_and_params_without_gradient(bucket_size_mb, in_backward
         opt.zero_grad()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a param unused in the whole window gets a zero "
-                   "gradient (not None), so AdamW's weight decay/momentum still move it; native "
-                   "accumulation leaves .grad None and the optimizer skips it")
 def test_param_unused_in_window_is_not_stepped_like_native():
     model = Heads()
     ref = copy.deepcopy(model)

@@ -123,9 +123,6 @@ def test_sum_is_a_drop_in_for_trainer_loop(in_backward, steps):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: with accumulate_in_backward=False a micro-batch is "
-                   "counted only by accumulate()/step(), so a Trainer-style loop (N backwards, "
-                   "one step()) counts 1 of N and step() silently does nothing")
 def test_trainer_loop_without_hooks_steps_at_the_boundary():
     N = 3
     model = make_model()
@@ -215,9 +212,6 @@ def test_flush_short_window(reduction):
         assert not torch.equal(p, s)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: flush() is not under torch.no_grad (step() is), so "
-                   "with master weights the copy back into the bf16 leaf params raises "
-                   "'a leaf Variable that requires grad is being used in an in-place operation'")
 def test_flush_with_master_weights():
     model = make_model(torch.bfloat16)
     opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
