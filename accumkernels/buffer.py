@@ -144,13 +144,9 @@ class MasterGradBuffer:
         found_inf: torch.Tensor | None = None,
         backend: str = "auto",
     ) -> None:
-        """One fused launch: ``view(p) (+)= scale * grad`` for the given params of ``bucket``.
+        """One fused launch: ``view(p) = (0 if overwrite else view(p)) + scale * grad``.
 
-        With ``overwrite`` the params of the bucket that are *not* given are zeroed, so the whole
-        bucket holds exactly this micro-batch afterwards.
+        ``params`` are some or all of ``bucket``'s params (the bucket is what the launch covers).
         """
-        if overwrite and len(params) != len(bucket.params):
-            bucket.flat.zero_()
-            overwrite = False
         accumulate_([self._views[id(p)] for p in params], grads, scale, overwrite=overwrite,
                     found_inf=found_inf, backend=backend)

@@ -227,13 +227,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._micro_steps = 0
         self._kept = 0
         self._unmoved = 0  # backwards whose grads still sit in .grad (accumulate_in_backward=False)
-        self._touched: set[int] = set()  # id() of params that got a gradient this window
+        # id() of params that got a gradient this window. Only their views hold data: the first
+        # write of a window overwrites (no zeroing pass); untouched views are zeroed at the boundary.
+        self._touched: set[int] = set()
         self._weights: list[float] = []
         self._dropped: set[int] = set()
         # The buffer holds sum(g) / _divisor. With 'mean' and known N, 1/N is fused up front.
         self._divisor = float(self.accumulation_steps) if (
             self.reduction == "mean" and self.accumulation_steps) else 1.0
-        self._initialized = [False] * len(self._buffer.buckets)
         self._found_inf.zero_()
         self._at_boundary = False
         self._release_grads()
@@ -288,8 +289,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         for p in self._params:
             if p.grad is not None:
                 self._ready.setdefault(self._buffer.bucket_of(p).index, []).append(p)
-        count, self._unmoved = max(1, self._unmoved), 0
-        if self._ready:
+        count, self._unmoved = self._unmoved, 0
+        if self._ready and not count:  # grads set without a backward we saw: one micro-batch
+            count = 1
+        if count:
             self._take_microbatch(count)
 
     def _take_microbatch(self, count: int) -> None:
@@ -317,22 +320,25 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._finish_window()
 
     def _launch(self, index: int, params: list[torch.Tensor]) -> None:
+        """Move the grads of ``params`` (all in bucket ``index``) with one fused launch."""
         bucket = self._buffer.buckets[index]
-        check = self.nonfinite != "skip_microbatch"
-        self._buffer.accumulate(bucket, params, [p.grad for p in params], self._prescale(),
-                                overwrite=not self._initialized[index],
-                                found_inf=self._found_inf if check else None, backend=self.backend)
-        self._initialized[index] = True
+        found_inf = self._found_inf if self.nonfinite != "skip_microbatch" else None
+        first = [p for p in params if id(p) not in self._touched]
+        # Normally all or none of a bucket's params are new to the window: one launch.
+        for group, overwrite in ((first, True), ([p for p in params if id(p) in self._touched], False)):
+            if group:
+                self._buffer.accumulate(bucket, group, [p.grad for p in group], self._prescale(),
+                                        overwrite=overwrite, found_inf=found_inf,
+                                        backend=self.backend)
         for p in params:
             p.grad = None
             self._touched.add(id(p))
 
     def _finish_window(self) -> None:
         """The boundary: normalise, and show the result as the model's ``.grad`` (zero-copy)."""
-        for bucket, initialized in zip(self._buffer.buckets, self._initialized):
-            if not initialized:  # no gradient reached it this window: it holds stale data
-                bucket.flat.zero_()
-        self._initialized = [True] * len(self._initialized)
+        untouched = [self._buffer.view(p) for p in self._params if id(p) not in self._touched]
+        if untouched:  # stale data from an earlier window: zero, so norms and clipping see 0
+            torch._foreach_zero_(untouched)
         self._normalise()
         for p in self._params:
             if id(p) not in self._touched:  # like native: no gradient, no .grad
@@ -466,7 +472,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "weights": list(self._weights),
                 "dropped": sorted(self._dropped),
                 "divisor": self._divisor,
-                "initialized": list(self._initialized),
                 "at_boundary": self._at_boundary,
             },
             "found_inf": self._found_inf,
@@ -485,8 +490,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
                 raise ValueError(f"load_state_dict: {name} does not match this optimizer's params")
         window = state_dict["window"]
-        if len(window["initialized"]) != len(self._initialized):
-            raise ValueError("load_state_dict: saved with a different bucket layout (bucket_size_mb)")
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._scaler.load_state_dict(state_dict["loss_scale"])
         for mine, theirs in zip(masters + buffers, state_dict["master_weights"] + state_dict["main_grad"]):
@@ -502,7 +505,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._weights = [float(w) for w in window["weights"]]
         self._dropped = set(int(i) for i in window["dropped"])
         self._divisor = float(window["divisor"])
-        self._initialized = [bool(b) for b in window["initialized"]]
         self._found_inf.copy_(state_dict["found_inf"])
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.skipped_microbatches = int(state_dict["skipped_microbatches"])

@@ -352,8 +352,10 @@ def test_state_dict_layout_mismatch_is_rejected():
     state = torch.load(buf, weights_only=True)
     other = AccumulatingOptimizer(torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1),
                                   accumulation_steps=2, bucket_size_mb=25)
-    with pytest.raises(ValueError, match="bucket"):
-        other.load_state_dict(state)
+    # The flat layout does not depend on the bucket size, so a different bucketing loads fine.
+    other.load_state_dict(state)
+    for p, q in zip(model.parameters(), other.param_groups[0]["params"]):
+        assert torch.equal(p.main_grad, q.main_grad)
     smaller = make_model(widths=(12, 8, 5))
     with pytest.raises(ValueError, match="does not match"):
         _sgd(smaller, accumulation_steps=2).load_state_dict(state)
