@@ -254,6 +254,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _before_grad_accumulation(self, grad: torch.Tensor) -> None:
         """Runs before autograd accumulates a param's gradient: marks the start of a micro-batch."""
+        self._begin_gradient()
+
+    def _begin_gradient(self) -> None:
         if self._at_boundary:
             raise RuntimeError(
                 f"AccumulatingOptimizer: a backward pass started after the window of "
@@ -270,6 +273,23 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self.nonfinite != "skip_microbatch" and len(ready) == len(bucket.params):
             self._launch(bucket.index, ready)  # the bucket is complete: move it, free the grads
             del self._ready[bucket.index]
+
+    def _fused_gradient_slot(self, p: torch.Tensor) -> tuple[torch.Tensor, float, bool,
+                                                               torch.Tensor | None]:
+        """For kernels that write p's gradient straight into the window (fuse_wgrad_accumulation).
+
+        Called from backward instead of producing ``p.grad``. Returns ``(view, scale, overwrite,
+        found_inf)``: the caller computes ``view = (0 if overwrite else view) + scale * grad`` in
+        fp32 and, if ``found_inf`` is not None, sets it to 1 when that gradient is non-finite.
+        The micro-batch is counted at the end of the backward like any other.
+        """
+        if self.nonfinite == "skip_microbatch":
+            raise RuntimeError("fused gradient writes cannot be undone: nonfinite='skip_microbatch' "
+                               "is not supported with fuse_wgrad_accumulation")
+        self._begin_gradient()
+        overwrite = id(p) not in self._touched
+        self._touched.add(id(p))
+        return self._buffer.view(p), self._prescale(), overwrite, self._found_inf
 
     def _end_of_backward(self) -> None:
         self._in_backward = False
