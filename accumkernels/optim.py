@@ -15,6 +15,7 @@ import torch
 from accumkernels import backends
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model
+from accumkernels.distributed import WindowReducer, WindowTotals
 from accumkernels.scaling import LossScaler
 
 __all__ = ["AccumulatingOptimizer"]
@@ -75,8 +76,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"max_grad_norm must be a float or None, got {max_grad_norm!r}")
             if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
                 raise ValueError(f"max_grad_norm must be a finite positive number, got {max_grad_norm}")
-        if process_group is not None:
-            raise NotImplementedError("process_group (data parallel) is not implemented yet")
+        if model is not None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                "model is wrapped in DistributedDataParallel, which all-reduces every micro-batch "
+                "behind the wrapper's back; pass the plain module and process_group= instead (the "
+                "wrapper all-reduces the fp32 window once per step)")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self._scaler = LossScaler(loss_scale)
@@ -118,6 +122,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._buffer = MasterGradBuffer(self._params, bucket_size_mb=bucket_size_mb)
         for device in self._buffer.buffers:  # an unusable backend fails here, not mid-backward
             backends.resolve(backend, device)
+        self._reducer = None
+        if process_group is not None:
+            self._reducer = WindowReducer(process_group, self._buffer)
+            self._reducer.broadcast_params(self._params)
+        self._dp_totals: WindowTotals | None = None
         if master_weights == "auto":
             master_weights = any(p.dtype in _LOW_PRECISION for p in self._params)
         self.master_weights = master_weights
@@ -215,6 +224,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         value = float(weight)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"weight must be finite and positive, got {value}")
+        if self._at_boundary and self._reducer is not None:
+            raise RuntimeError("with process_group, add_weight() must come before the end of the "
+                               "window's last backward (the weights are summed across ranks there)")
         self._weights.append(value)
         if self._at_boundary:
             self._normalise()
@@ -237,6 +249,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self.reduction == "mean" and self.accumulation_steps) else 1.0
         self._found_inf.zero_()
         self._at_boundary = False
+        self._dp_totals = None
+        if self._reducer is not None:
+            self._reducer.reset()
         self._release_grads()
 
     def reset_window(self) -> None:
@@ -273,6 +288,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self.nonfinite != "skip_microbatch" and len(ready) == len(bucket.params):
             self._launch(bucket.index, ready)  # the bucket is complete: move it, free the grads
             del self._ready[bucket.index]
+            n = self.accumulation_steps
+            if self._reducer is not None and n is not None and self._micro_steps == n - 1:
+                self._reducer.reduce_bucket(bucket)  # last micro-batch: overlap with backward
 
     def _fused_gradient_slot(self, p: torch.Tensor) -> tuple[torch.Tensor, float, bool,
                                                                torch.Tensor | None]:
@@ -354,12 +372,26 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             p.grad = None
             self._touched.add(id(p))
 
+    def _local_weight(self) -> float:
+        return sum(w for i, w in enumerate(self._weights) if i not in self._dropped)
+
     def _finish_window(self) -> None:
-        """The boundary: normalise, and show the result as the model's ``.grad`` (zero-copy)."""
+        """The boundary: (reduce across ranks,) normalise, show the result as the model's .grad."""
         untouched = [self._buffer.view(p) for p in self._params if id(p) not in self._touched]
         if untouched:  # stale data from an earlier window: zero, so norms and clipping see 0
             torch._foreach_zero_(untouched)
+        if self._reducer is not None:
+            totals = self._reducer.finish(self._micro_steps, self._kept, self._local_weight(),
+                                          self._found_inf,
+                                          [id(p) in self._touched for p in self._params])
+            self._dp_totals = totals
+            self._touched = {id(p) for p, t in zip(self._params, totals.touched) if t}
+            if totals.found_inf:
+                self._found_inf.fill_(1.0)
         self._normalise()
+        self._expose_window()
+
+    def _expose_window(self) -> None:
         for p in self._params:
             if id(p) not in self._touched:  # like native: no gradient, no .grad
                 continue
@@ -371,11 +403,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._at_boundary = True
 
     def _target_divisor(self) -> float | None:
-        if self.reduction == "sum":
-            return 1.0
+        """What the window's gradient sum is divided by (over all ranks with process_group)."""
+        totals = self._dp_totals
+        if self.reduction == "sum":  # data parallel: the average over ranks, like DDP
+            return float(totals.world) if totals else 1.0
         if self.reduction == "mean":
-            return float(self._kept) if self._kept else None
-        total = sum(w for i, w in enumerate(self._weights) if i not in self._dropped)
+            kept = totals.kept if totals else self._kept
+            return float(kept) if kept else None
+        total = totals.weight if totals else self._local_weight()
         return total if total > 0 else None
 
     def _normalise(self) -> None:
@@ -418,7 +453,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             return
         if not self._at_boundary:
             self._finish_window()
-        if self._kept == 0:  # every micro-batch was dropped
+        kept = self._dp_totals.kept if self._dp_totals else self._kept
+        if kept == 0:  # every micro-batch was dropped (on every rank)
             self.skipped_steps += 1
             self._reset_window()
             return
@@ -528,8 +564,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._found_inf.copy_(state_dict["found_inf"])
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.skipped_microbatches = int(state_dict["skipped_microbatches"])
-        if window["at_boundary"]:
-            self._finish_window()
+        if window["at_boundary"]:  # saved already normalised (and reduced): only show it again
+            self._expose_window()
 
     def remove_hooks(self) -> None:
         """Detach from the model's params (the wrapper stops accumulating during backward)."""

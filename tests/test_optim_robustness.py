@@ -361,8 +361,6 @@ def test_state_dict_layout_mismatch_is_rejected():
         _sgd(smaller, accumulation_steps=2).load_state_dict(state)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: process_group raises NotImplementedError; the "
-                   "contract has data parallel via torch.distributed (gloo on CPU)")
 def test_process_group_single_rank_gloo(tmp_path):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
