@@ -208,6 +208,19 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return n is None or self._micro_steps + self._unmoved >= n
 
     @property
+    def collective_timeout(self) -> float | None:
+        """Seconds to wait for peers' all-reduces (process_group) before raising; None without."""
+        return self._reducer.timeout_s if self._reducer is not None else None
+
+    @collective_timeout.setter
+    def collective_timeout(self, seconds: float) -> None:
+        if self._reducer is None:
+            raise ValueError("collective_timeout needs process_group")
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"collective_timeout must be a positive number of seconds, got {seconds!r}")
+        self._reducer.timeout_s = float(seconds)
+
+    @property
     def loss_scale(self) -> float:
         return self._scaler.scale
 
