@@ -1,5 +1,6 @@
 """accumkernels: fused kernels for exact fp32 gradient accumulation."""
 
+from accumkernels.batch_size import MicroBatchSearch, find_micro_batch_size
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model, validate_batch_sizes
 from accumkernels.ops import accumulate_, available_backends
@@ -8,9 +9,11 @@ from accumkernels.optim import AccumulatingOptimizer
 __all__ = [
     "AccumulatingOptimizer",
     "MasterGradBuffer",
+    "MicroBatchSearch",
     "accumulate_",
     "available_backends",
     "check_model",
+    "find_micro_batch_size",
     "validate_batch_sizes",
 ]
 __version__ = "0.1.0"
