@@ -34,12 +34,17 @@ def _accumulate_op(
     found_inf: torch.Tensor | None,
     backend: str,
 ) -> None:
+    _accumulate_impl(dst, src, scale, scale_tensor, overwrite, found_inf, backend)
+
+
+def _accumulate_impl(dst, src, scale, scale_tensor, overwrite, found_inf, backend) -> None:
     # Empty tensors carry no work; dropping them here keeps every backend branch-free.
-    pairs = [(d, x) for d, x in zip(dst, src) if d.numel() > 0]
-    if not pairs:
-        return
-    dst_ne, src_ne = (list(t) for t in zip(*pairs))
-    backends.get(backend).accumulate(dst_ne, src_ne, scale, scale_tensor, overwrite, found_inf)
+    if not all(d.numel() for d in dst):
+        pairs = [(d, x) for d, x in zip(dst, src) if d.numel() > 0]
+        if not pairs:
+            return
+        dst, src = (list(t) for t in zip(*pairs))
+    backends.get(backend).accumulate(dst, src, scale, scale_tensor, overwrite, found_inf)
 
 
 @_accumulate_op.register_fake
@@ -60,9 +65,23 @@ def _check_tensor_list(name: str, tensors: object) -> list[torch.Tensor]:
     return list(tensors)
 
 
+def _pairs_ok(dst: list[torch.Tensor], src: list[torch.Tensor], device: torch.device) -> bool:
+    """All checks of _check_pairs, one property per pass: the fast path for valid input."""
+    strided, f32 = torch.strided, torch.float32
+    return (
+        all(d.layout is strided for d in dst) and all(x.layout is strided for x in src)
+        and all(d.dtype is f32 for d in dst) and all(x.dtype in SRC_DTYPES for x in src)
+        and all(d.shape == x.shape for d, x in zip(dst, src))
+        and all(d.device == device for d in dst) and all(x.device == device for x in src)
+        and all(d.is_contiguous() for d in dst) and all(x.is_contiguous() for x in src)
+    )
+
+
 def _check_pairs(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     device = dst[0].device
-    for i, (d, x) in enumerate(zip(dst, src)):
+    if _pairs_ok(dst, src, device):
+        return
+    for i, (d, x) in enumerate(zip(dst, src)):  # find and name the first offender
         if d.layout != torch.strided or x.layout != torch.strided:
             which = "dst" if d.layout != torch.strided else "src"
             _fail(TypeError, f"{which}[{i}] is sparse ({(d if which == 'dst' else x).layout}); "
@@ -156,6 +175,15 @@ def accumulate_(
     if not torch.compiler.is_compiling():  # data_ptr() is not traceable
         _check_dst_aliasing(dst)
     name = backends.resolve(backend, device)
-    torch.ops.accumkernels.accumulate_(
-        dst, src, float(scale), scale_tensor, overwrite, found_inf, name
-    )
+    if _plain_eager():  # nothing to trace or functionalise: skip the dispatcher's per-call cost
+        _accumulate_impl(dst, src, float(scale), scale_tensor, overwrite, found_inf, name)
+    else:
+        torch.ops.accumkernels.accumulate_(
+            dst, src, float(scale), scale_tensor, overwrite, found_inf, name
+        )
+
+
+def _plain_eager() -> bool:
+    """No compiler, dispatch mode (FakeTensorMode, make_fx) or functorch transform is active."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._are_functorch_transforms_active())
