@@ -1,0 +1,147 @@
+"""HF Trainer with AccumulatingOptimizer passed through ``optimizers=(opt, scheduler)``.
+
+How Trainer (transformers 5.x) accumulates, and why the wrapper uses ``reduction="sum"``:
+
+* Trainer runs its own accumulation loop (it sets Accelerate's gradient_accumulation_steps to 1,
+  so ``accelerator.backward`` does not divide). For each window it prefetches the N micro-batches
+  and counts ``num_items_in_batch`` = the predicted tokens (labels != -100, after the causal
+  shift) of the whole window. GPT-2 accepts loss kwargs, so its loss is
+  ``sum(token losses) / num_items_in_batch`` and Trainer does not divide by N again. The native
+  fp32 ``.grad`` therefore already holds the exact per-token mean gradient of the window, whatever
+  the token counts: the wrapper must only sum, i.e. ``reduction="sum"``. (For models without
+  loss kwargs Trainer divides by the window's micro-batch count itself: "sum" again.)
+* It calls ``optimizer.step()`` only at window boundaries, after clipping ``model.parameters()``
+  with ``accelerator.clip_grad_norm_`` (whose return value it logs as ``grad_norm``), then the
+  scheduler, then ``model.zero_grad()``. The wrapper needs ``accumulation_steps=N`` so that the
+  window is visible in ``p.grad`` when Trainer clips (with ``None`` it would be visible only
+  inside ``step()``, after Trainer's clip).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _integration_common import (
+    LR,
+    MAX_GRAD_NORM,
+    N_ACCUM,
+    TokenDataset,
+    assert_moved,
+    assert_same_params,
+    fresh_accelerate_state,  # noqa: F401  (fixture)
+    linear_decay,
+    tiny_gpt2,
+    token_batches,
+)
+
+from accumkernels import AccumulatingOptimizer
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
+MICRO_BATCH = 2
+
+
+def train_with_trainer(model, samples, tmp_path, *, wrap: bool, max_steps: int = -1,
+                       epochs: float = 1, max_grad_norm: float = MAX_GRAD_NORM,
+                       max_grad_norm_wrapper: float | None = None):
+    """Trainer run; returns (log_history, optimizer it was given)."""
+    from transformers import Trainer, TrainingArguments
+
+    total = max_steps if max_steps > 0 else 8
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    if wrap:
+        opt = AccumulatingOptimizer(opt, accumulation_steps=N_ACCUM, reduction="sum",
+                                    max_grad_norm=max_grad_norm_wrapper)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay(total))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no",
+        logging_steps=1, per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=N_ACCUM, max_grad_norm=max_grad_norm,
+        max_steps=max_steps, num_train_epochs=epochs, seed=0, data_seed=0,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(samples),
+                      optimizers=(opt, scheduler))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "grad_norm" in h], opt
+
+
+def test_trainer_matches_native(tmp_path):
+    """GA=4, clipping at 0.5 (active every step), LambdaLR on the wrapper: same logs, params."""
+    steps = 4
+    samples = token_batches(steps * N_ACCUM * MICRO_BATCH)
+    start = tiny_gpt2()
+    native, ours = copy.deepcopy(start), copy.deepcopy(start)
+
+    native_logs, _ = train_with_trainer(native, samples, tmp_path / "native", wrap=False,
+                                        max_steps=steps)
+    our_logs, opt = train_with_trainer(ours, samples, tmp_path / "ours", wrap=True,
+                                       max_steps=steps)
+
+    assert len(native_logs) == len(our_logs) == steps
+    native_norms = [h["grad_norm"] for h in native_logs]
+    assert all(n > MAX_GRAD_NORM for n in native_norms), native_norms  # clipping took effect
+    # The pre-clip norm Trainer computes from p.grad: the wrapper's window, bit-for-bit.
+    assert [h["grad_norm"] for h in our_logs] == pytest.approx(native_norms, rel=1e-6)
+    assert [h["learning_rate"] for h in our_logs] == [h["learning_rate"] for h in native_logs]
+    assert [h["loss"] for h in our_logs] == pytest.approx([h["loss"] for h in native_logs],
+                                                          rel=1e-6)
+    assert opt.micro_steps == 0 and opt.skipped_steps == 0
+    assert_moved(ours, start)
+    assert_same_params(native, ours)
+
+
+def test_trainer_bf16_model_clips_fp32_window(tmp_path):
+    """bf16 model, master weights: Trainer's clip_grad_norm_ on model.parameters() sees the fp32
+    window (p.grad is an fp32 view, via Tensor.grad_dtype) and scales what the step uses.
+
+    Reference: the same Trainer run with Trainer's clipping off (max_grad_norm=0; it still logs
+    the norm of p.grad) and the wrapper clipping instead (its fused max_grad_norm). Both
+    accumulate identically; only the norm's summation order differs (per-tensor norms vs one
+    flat buffer): a relative difference of a few fp32 ulps in the norm and the clip coefficient.
+    The fp32 master weights then agree to ~lr * 1e-6 (atol 1e-6). Their bf16 copies, the model
+    params, may differ by one bf16 rounding step where a master sits at a rounding boundary:
+    rtol 2**-8 (one bf16 ulp is at most 2**-7 relative, half of that after round-to-nearest).
+    """
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        pytest.skip("needs Tensor.grad_dtype for fp32 .grad on bf16 params")
+    steps = 3
+    samples = token_batches(steps * N_ACCUM * MICRO_BATCH)
+    start = tiny_gpt2(dtype=torch.bfloat16)
+    ours, ref = copy.deepcopy(start), copy.deepcopy(start)
+
+    logs, opt = train_with_trainer(ours, samples, tmp_path / "ours", wrap=True, max_steps=steps)
+    ref_logs, ref_opt = train_with_trainer(ref, samples, tmp_path / "ref", wrap=True,
+                                           max_steps=steps, max_grad_norm=0.0,
+                                           max_grad_norm_wrapper=MAX_GRAD_NORM)
+
+    assert opt.master_weights and ref_opt.master_weights
+    ref_norms = [h["grad_norm"] for h in ref_logs]
+    assert all(n > MAX_GRAD_NORM for n in ref_norms), ref_norms
+    assert [h["grad_norm"] for h in logs] == pytest.approx(ref_norms, rel=1e-5)
+    for m, r in zip(opt._master_list(), ref_opt._master_list()):
+        torch.testing.assert_close(m, r, atol=1e-6, rtol=0)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p.float(), q.float(), atol=1e-6, rtol=2 ** -8)
+    assert_moved(ours, start)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: Trainer ends an epoch whose micro-batch count is not a multiple of N with a short "
+    "window and calls step() there; with accumulation_steps=N the wrapper treats that step() "
+    "as a no-op (the window stays open), Trainer's clip saw no .grad, and the next epoch's "
+    "third backward raises 'a backward pass started after the window ... was complete'"))
+def test_trainer_short_last_window_matches_native(tmp_path):
+    """10 micro-batches per epoch, GA=4: windows of 4, 4, 2 per epoch, two epochs."""
+    samples = token_batches(10 * MICRO_BATCH)
+    start = tiny_gpt2()
+    native, ours = copy.deepcopy(start), copy.deepcopy(start)
+    native_logs, _ = train_with_trainer(native, samples, tmp_path / "native", wrap=False, epochs=2)
+    our_logs, _ = train_with_trainer(ours, samples, tmp_path / "ours", wrap=True, epochs=2)
+    assert len(native_logs) == 6
+    assert [h["grad_norm"] for h in our_logs] == pytest.approx(
+        [h["grad_norm"] for h in native_logs], rel=1e-6)
+    assert_same_params(native, ours)
