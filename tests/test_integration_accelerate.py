@@ -1,0 +1,123 @@
+"""Accelerate's gradient-accumulation loop with AccumulatingOptimizer.
+
+What Accelerate (1.x) does, and why the wrapper uses ``accumulation_steps=N, reduction="sum"``:
+
+* ``accelerator.backward(loss)`` divides the loss by ``gradient_accumulation_steps`` itself, so
+  the native fp32 ``.grad`` holds the mean of the N micro-batch losses' gradients: the wrapper
+  must only sum, i.e. ``reduction="sum"``.
+* ``accelerator.prepare(opt)`` wraps the optimizer in ``AcceleratedOptimizer``, whose ``step()``
+  and ``zero_grad()`` only reach the wrapped optimizer when ``sync_gradients`` is set (it
+  round-trips ``state_dict()``/``load_state_dict()`` once for device placement, too). The user's
+  ``step()``/``zero_grad()`` every micro-batch are therefore Trainer-style boundary calls by the
+  time they reach the wrapper.
+* ``accelerator.clip_grad_norm_(model.parameters(), ...)`` runs on the sync micro-batch before
+  ``step()``: the wrapper needs ``accumulation_steps=N`` so that the window is in ``p.grad`` then.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _integration_common import (
+    LR,
+    MAX_GRAD_NORM,
+    N_ACCUM,
+    assert_moved,
+    assert_same_params,
+    fresh_accelerate_state,  # noqa: F401  (fixture)
+    linear_decay,
+    loader,
+    tiny_gpt2,
+    token_batches,
+)
+
+from accumkernels import AccumulatingOptimizer
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
+MICRO_BATCH = 2
+
+
+def train_with_accelerate(model, samples, *, wrap: bool, epochs: int = 1, clip: bool = True,
+                          accumulation_steps: int | None = N_ACCUM):
+    """The loop from Accelerate's gradient-accumulation guide. Returns (clip norms, optimizer)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(gradient_accumulation_steps=N_ACCUM, cpu=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    if wrap:
+        opt = AccumulatingOptimizer(opt, accumulation_steps=accumulation_steps, reduction="sum")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay(8))
+    model, prepared_opt, dataloader, scheduler = accelerator.prepare(
+        model, opt, loader(samples, MICRO_BATCH), scheduler)
+    norms = []
+    model.train()
+    for _ in range(epochs):
+        for batch in dataloader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if clip and accelerator.sync_gradients:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+                    norms.append(norm.item())
+                prepared_opt.step()
+                scheduler.step()
+                prepared_opt.zero_grad()
+    return norms, opt
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
+def test_accelerate_matches_native(clip):
+    samples = token_batches(3 * N_ACCUM * MICRO_BATCH)  # 3 full windows
+    start = tiny_gpt2()
+    native, ours = copy.deepcopy(start), copy.deepcopy(start)
+
+    native_norms, _ = train_with_accelerate(native, samples, wrap=False, clip=clip)
+    our_norms, opt = train_with_accelerate(ours, samples, wrap=True, clip=clip)
+
+    if clip:
+        assert len(native_norms) == 3
+        assert all(n > MAX_GRAD_NORM for n in native_norms), native_norms  # clipping took effect
+        assert our_norms == pytest.approx(native_norms, rel=1e-6)
+    assert opt.micro_steps == 0 and opt.skipped_steps == 0
+    assert all(s["step"].item() == 3 for s in opt.state.values())
+    assert_moved(ours, start)
+    assert_same_params(native, ours)
+
+
+def test_accelerate_unknown_window_length_without_clipping():
+    """accumulation_steps=None: AcceleratedOptimizer only forwards step() on sync micro-batches,
+    so every step() that reaches the wrapper ends the window, short end-of-epoch windows
+    included (10 micro-batches per epoch: windows 4, 4, 2). Fine without external clipping;
+    the window is shown in p.grad only inside step() when N is not known."""
+    samples = token_batches(10 * MICRO_BATCH)
+    start = tiny_gpt2()
+    native, ours = copy.deepcopy(start), copy.deepcopy(start)
+    train_with_accelerate(native, samples, wrap=False, clip=False, epochs=2)
+    _, opt = train_with_accelerate(ours, samples, wrap=True, clip=False, epochs=2,
+                                   accumulation_steps=None)
+    assert all(s["step"].item() == 6 for s in opt.state.values())
+    assert_moved(ours, start)
+    assert_same_params(native, ours)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: Accelerate forces a sync (short window) at the end of a prepared dataloader whose "
+    "length is not a multiple of N; with accumulation_steps=N the wrapper ignores that step(), "
+    "the window runs into the next epoch and its next backward raises RuntimeError"))
+def test_accelerate_short_last_window_matches_native():
+    """10 micro-batches per epoch, N=4: windows 4, 4, 2 in each of two epochs."""
+    samples = token_batches(10 * MICRO_BATCH)
+    start = tiny_gpt2()
+    native, ours = copy.deepcopy(start), copy.deepcopy(start)
+    native_norms, _ = train_with_accelerate(native, samples, wrap=False, epochs=2)
+    our_norms, _ = train_with_accelerate(ours, samples, wrap=True, epochs=2)
+    assert len(native_norms) == 6
+    assert our_norms == pytest.approx(native_norms, rel=1e-6)
+    assert_same_params(native, ours)
