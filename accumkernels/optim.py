@@ -405,9 +405,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._expose_window()
 
     def _expose_window(self) -> None:
+        """Both the model params and the inner optimizer's (master) params see the window as
+        ``.grad``: frameworks clip either ``model.parameters()`` or ``optimizer.param_groups``."""
         for p in self._params:
             if id(p) not in self._touched:  # like native: no gradient, no .grad
                 continue
+            master = self._masters.get(id(p))
+            if master is not None:
+                master.grad = self._buffer.view(p)
             if p.dtype in _LOW_PRECISION:
                 if not _HAS_GRAD_DTYPE:
                     continue
