@@ -1,0 +1,79 @@
+"""HF Accelerate: the standard ``accelerator.accumulate()`` loop with AccumulatingOptimizer.
+
+The only change to Accelerate's gradient-accumulation recipe is wrapping the optimizer:
+
+* ``accumulation_steps`` = the Accelerator's ``gradient_accumulation_steps``, so the window is
+  in ``p.grad`` when ``accelerator.clip_grad_norm_`` runs on the sync micro-batch;
+* ``reduction="sum"``, because ``accelerator.backward`` already divides the loss by N;
+* ``step()``/``zero_grad()`` stay where they are (every micro-batch): the prepared optimizer
+  only forwards them on sync micro-batches, and the wrapper's ``zero_grad()`` never clears the
+  window anyway.
+
+Keep the dataloader length a multiple of N (or drop the last partial window): Accelerate ends an
+epoch with a short window and the wrapper, told N, would wait for the rest of it.
+
+Run: ``python examples/accelerate_loop.py --steps 20``
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from accumkernels import AccumulatingOptimizer
+
+
+def main(argv: list[str] | None = None) -> float:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per epoch")
+    parser.add_argument("--accum", type=int, default=4, help="gradient_accumulation_steps")
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    accelerator = Accelerator(gradient_accumulation_steps=args.accum, cpu=True)
+    torch.manual_seed(0)
+    # A small classifier on synthetic data: 8 Gaussian clusters in 20 dimensions.
+    n = args.steps * args.accum * args.micro_batch  # whole windows only
+    centers = torch.randn(8, 20) * 2
+    labels = torch.randint(0, 8, (n,))
+    inputs = centers[labels] + torch.randn(n, 20)
+    dataset = torch.utils.data.TensorDataset(inputs, labels)
+    dataloader = torch.utils.data.DataLoader(dataset, batch_size=args.micro_batch, shuffle=True)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    optimizer = AccumulatingOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=3e-3),
+        accumulation_steps=args.accum,  # = gradient_accumulation_steps
+        reduction="sum",                # accelerator.backward divides by N already
+    )
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, args.steps * args.epochs)
+    model, optimizer, dataloader, scheduler = accelerator.prepare(
+        model, optimizer, dataloader, scheduler)
+
+    for epoch in range(args.epochs):
+        total, count = 0.0, 0
+        for x, y in dataloader:
+            with accelerator.accumulate(model):
+                loss = nn.functional.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:  # the window is in p.grad here
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            total += loss.item() * len(y)
+            count += len(y)
+        print(f"epoch {epoch}  loss {total / count:.4f}")
+
+    with torch.no_grad():
+        final = nn.functional.cross_entropy(model(inputs), labels).item()
+    print(f"final loss {final:.4f}")
+    return final
+
+
+if __name__ == "__main__":
+    main()
