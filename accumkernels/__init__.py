@@ -5,6 +5,7 @@ from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model, validate_batch_sizes
 from accumkernels.ops import accumulate_, available_backends
 from accumkernels.optim import AccumulatingOptimizer
+from accumkernels.wgrad import fuse_wgrad_accumulation
 
 __all__ = [
     "AccumulatingOptimizer",
@@ -14,6 +15,7 @@ __all__ = [
     "available_backends",
     "check_model",
     "find_micro_batch_size",
+    "fuse_wgrad_accumulation",
     "validate_batch_sizes",
 ]
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ per bucket.
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 
 import torch
@@ -136,6 +137,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
         self.skipped_steps = 0
         self.skipped_microbatches = 0
+        self._boundary_only = False  # learned: does the caller call step() only at window ends?
+        self._framework_driven = False  # learned: does HF Accelerate's GradientState mark windows?
+        self._closure_ends_window = False
         self.last_grad_norm: torch.Tensor | None = None
         devices = list(self._buffer.buffers)
         self._found_inf = torch.zeros(1, device=devices[0] if devices else "cpu")
@@ -252,6 +256,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._micro_steps = 0
         self._kept = 0
         self._unmoved = 0  # backwards whose grads still sit in .grad (accumulate_in_backward=False)
+        self._step_calls = 0  # step() calls in this window
         # id() of params that got a gradient this window. Only their views hold data: the first
         # write of a window overwrites (no zeroing pass); untouched views are zeroed at the boundary.
         self._touched: set[int] = set()
@@ -322,14 +327,29 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._touched.add(id(p))
         return self._buffer.view(p), self._prescale(), overwrite, self._found_inf
 
+    def _framework_ends_window(self) -> bool:
+        """HF Accelerate (``accelerator.accumulate``) and the HF Trainer set
+        ``GradientState.sync_gradients`` for each micro-batch. Once it has been False for one of
+        ours, True marks the last micro-batch of a window, short ones at the end of an epoch too."""
+        module = sys.modules.get("accelerate.state")
+        if module is None or module.GradientState._shared_state == {}:
+            return False
+        sync = bool(module.GradientState().sync_gradients)
+        if not sync:
+            self._framework_driven = True
+        return sync and self._framework_driven
+
     def _end_of_backward(self) -> None:
         self._in_backward = False
+        ends_window = self._closure_ends_window or self._framework_ends_window()
         if self.accumulate_in_backward:
-            self._take_microbatch(1)
-        else:  # counted now, moved by accumulate()/step()
-            self._unmoved += 1
+            self._take_microbatch(1, end_window=ends_window)
+            return
+        self._unmoved += 1  # counted now, moved by accumulate()/step() ...
+        if ends_window or (self.sync_step and self.accumulation_steps is not None):
+            self.accumulate(end_window=ends_window)  # ... or now, so .grad shows the window
 
-    def accumulate(self) -> None:
+    def accumulate(self, *, end_window: bool = False) -> None:
         """Move the model's current ``.grad`` into the window as one micro-batch.
 
         Needed only with ``accumulate_in_backward=False`` (``step()`` calls it too). If several
@@ -344,14 +364,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self._ready and not count:  # grads set without a backward we saw: one micro-batch
             count = 1
         if count:
-            self._take_microbatch(count)
+            self._take_microbatch(count, end_window=end_window)
 
-    def _take_microbatch(self, count: int) -> None:
+    def _take_microbatch(self, count: int, end_window: bool = False) -> None:
         """Close ``count`` micro-batches: move the grads not yet moved, maybe end the window."""
         ready, self._ready = self._ready, {}
         kept = True
         if self.nonfinite == "skip_microbatch":
-            grads = [p.grad for params in ready.values() for p in params]
+            grads = [p.grad for params in ready.values() for p in params if p.grad is not None]
             kept = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         for index, params in ready.items():
             if kept:
@@ -367,11 +387,18 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._dropped.update(range(first, self._micro_steps))
             self.skipped_microbatches += count
             self._scaler.update(found_inf=True)
-        if self.accumulation_steps is not None and self._micro_steps >= self.accumulation_steps:
+        n = self.accumulation_steps
+        if end_window or (n is not None and self._micro_steps >= n):
             self._finish_window()
 
     def _launch(self, index: int, params: list[torch.Tensor]) -> None:
         """Move the grads of ``params`` (all in bucket ``index``) with one fused launch."""
+        # AccumulateGrad runs (and calls the post-accumulate-grad hook) even when a gradient is
+        # undefined: a custom autograd.Function returning None for it, or a weight whose
+        # gradient fuse_wgrad_accumulation wrote straight into the window. Nothing to move.
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return
         bucket = self._buffer.buckets[index]
         found_inf = self._found_inf if self.nonfinite != "skip_microbatch" else None
         first = [p for p in params if id(p) not in self._touched]
@@ -459,16 +486,28 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """Run ``closure`` (if any), then step if the window is complete; returns its loss."""
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            # Lightning runs the window's last micro-batch (and clips) inside the closure; when
+            # this step() ends the window anyway, its backward is the boundary.
+            self._closure_ends_window = self._boundary_only or self.accumulation_steps is None
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                self._closure_ends_window = False
         self._step(force=False)
         return loss
 
     def _step(self, force: bool) -> None:
         if not self.accumulate_in_backward:
             self.accumulate()
-        if self._micro_steps == 0 or not (force or self.sync_step):
+        self._step_calls += 1
+        # A caller that has called step() only at window ends (HF Trainer, Accelerate, Lightning)
+        # ends a short window (the end of an epoch) the same way: then it is a boundary too.
+        short_window_end = self._boundary_only and self._micro_steps > 0
+        ended = self._at_boundary  # e.g. a framework marked this micro-batch as the last
+        if self._micro_steps == 0 or not (force or self.sync_step or short_window_end or ended):
             return
+        self._boundary_only = self._step_calls == 1
         if not self._at_boundary:
             self._finish_window()
         kept = self._dp_totals.kept if self._dp_totals else self._kept
@@ -540,6 +579,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "main_grad": list(self._buffer.buffers.values()),
             "window": {
                 "micro_steps": self._micro_steps,
+                "step_calls": self._step_calls,
+                "boundary_only": self._boundary_only,
                 "unmoved": self._unmoved,
                 "touched": [i for i, p in enumerate(self._params) if id(p) in self._touched],
                 "kept": self._kept,
@@ -573,6 +614,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(lowp, masters)
         self._reset_window()
         self._micro_steps = int(window["micro_steps"])
+        self._step_calls = int(window["step_calls"])
+        self._boundary_only = bool(window["boundary_only"])
         self._unmoved = int(window["unmoved"])
         self._touched = {id(self._params[int(i)]) for i in window["touched"]}
         self._kept = int(window["kept"])
