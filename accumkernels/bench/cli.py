@@ -1,10 +1,12 @@
 """Benchmark accumkernels.accumulate_ against the loops people write today.
 
-Every provider (per-param loops, torch._foreach_add_, each accumkernels backend) is run once
-and compared with a float64 reference, then timed on random data, rotating buffer sets so no
-call hits in cache. Results are effective bandwidth, also as a fraction of a fp32 copy_
-measured in the same run. Prints a table to stdout, progress to stderr, and writes a JSON
-record (see benchmarks/results/README.md). Exit status 1 if any row is MISMATCH or error.
+Every provider (per-param loops, torch._foreach_add_, native grad_dtype=float32 accumulation,
+each accumkernels backend) is run once and compared with a float64 reference, then timed on
+random data, rotating buffer sets so no call hits in cache. Results are effective bandwidth,
+also as a fraction of a fp32 copy_ measured in the same run, and speed-ups over each baseline.
+A 300-tensor list then measures host overhead per call. Prints a table to stdout, progress to
+stderr, and writes a JSON record (see benchmarks/results/README.md) and a PNG plot of the flat
+buffers next to it. Exit status 1 if any row is MISMATCH or error.
 """
 
 from __future__ import annotations
@@ -13,11 +15,6 @@ import argparse
 import datetime
 import itertools
 import json
-import math
-import os
-import platform
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -25,114 +22,55 @@ from pathlib import Path
 
 import torch
 
-import accumkernels
-
-from . import (
+from .env import (  # noqa: F401 - re-exported: benchmarks/ scripts import them from here
+    REPO_ROOT,
+    cpu_name,
+    default_out_path,
+    device_slug,
+    environment,
+    git_info,
+    slugify,
+)
+from .measure import (
+    check_provider,
+    measure_copy,
+    num_buffer_sets,
+    random_tensors,
+    sample_indices,
+    time_calls,
+)
+from .overhead import measure_overhead
+from .providers import (
     BASELINES,
+    Provider,
+    make_providers,
+    provider_code,
+    provider_scale,
+    select_providers,
+)
+from .report import format_table, json_safe, write_plot
+from .workloads import (
     DTYPES,
     QUICK_FLAT_NUMEL,
     REL_TOL,
     SCALE,
-    Provider,
+    WORKLOADS,
     Workload,
     bytes_per_element,
-    check_provider,
+    fit_llama_layers,
     format_count,
-    make_providers,
     make_workload,
-    measure_copy,
-    num_buffer_sets,
     parse_count,
-    provider_code,
-    random_tensors,
-    sample_indices,
-    select_providers,
-    time_calls,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, when run from one
+_json_safe = json_safe  # the old name, kept for callers
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
                  "float": "fp32"}
+WORKLOAD_ALIASES = {"llama": "llama7b"}
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-# --- where and what we run on ---------------------------------------------------------------
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def slugify(text: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'; drops (R)/(TM)."""
-    text = re.sub(r"\((r|tm|c)\)", "", text.lower())
-    return re.sub(r"[^a-z0-9]+", "-", text).strip("-") or "unknown"
-
-
-def device_slug(device: torch.device) -> str:
-    if device.type == "cuda":
-        return slugify(torch.cuda.get_device_name(device))
-    return "cpu-" + slugify(cpu_name())
-
-
-def git_info(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
-    """(HEAD commit, tracked files modified) of the checkout holding this package, else Nones."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              check=True, timeout=30).stdout.strip()
-    try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
-            return None, None  # installed inside some other repository
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-        return git("rev-parse", "HEAD"), dirty
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
-
-
-def environment(device: torch.device) -> dict:
-    """Everything needed to compare this record with another one."""
-    gpu = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        gpu = {"name": props.name, "total_memory": props.total_memory,
-               "multi_processor_count": props.multi_processor_count,
-               "l2_cache_size": getattr(props, "L2_cache_size", None),
-               "capability": f"{props.major}.{props.minor}"}
-    commit, dirty = git_info()
-    return {
-        "device": str(device), "device_name": gpu["name"] if gpu else cpu_name(),
-        "device_slug": device_slug(device), "gpu_name": gpu["name"] if gpu else None, "gpu": gpu,
-        "cpu_name": cpu_name(), "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "triton": _triton_version(), "cuda": torch.version.cuda,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "accumkernels": getattr(accumkernels, "__version__", None),
-        "available_backends": list(accumkernels.available_backends(device)),
-        "git_commit": commit, "git_dirty": dirty,
-    }
-
-
-def default_out_path(slug: str, date: datetime.date, overwrite: bool, quick: bool) -> Path:
-    """benchmarks/results/<slug>-<date>[-overwrite][-quick].json, in the checkout if any."""
-    base = REPO_ROOT if git_info()[0] is not None else Path.cwd()
-    suffix = ("-overwrite" if overwrite else "") + ("-quick" if quick else "")
-    return base / "benchmarks" / "results" / f"{slug}-{date.isoformat()}{suffix}.json"
 
 
 # --- measuring --------------------------------------------------------------------------------
@@ -142,17 +80,20 @@ def measure_provider(name: str, fn: Provider, w: Workload, dtype: str, dsts: lis
                      ) -> dict:
     """Check once against float64, then time: one result row."""
     nbytes = bytes_per_element(DTYPES[dtype], args.overwrite) * w.numel
+    scale = provider_scale(fn)
     row = {"workload": w.name, "label": w.label, "n_tensors": len(w.shapes), "numel": w.numel,
-           "dtype": dtype, "provider": name, "overwrite": args.overwrite, "bytes": nbytes,
-           "reps": args.reps, "buffer_sets": len(dsts), "status": None, "error": None,
-           "max_rel_err": None, "median_ms": None, "p20_ms": None, "p80_ms": None, "gbps": None,
-           "frac_copy": None, "timer": None, "speedup_vs_loop_literal": None,
-           "speedup_vs_best_baseline": None, "best_baseline": None}
+           "workload_scale": w.scale, "dtype": dtype, "provider": name,
+           "overwrite": args.overwrite, "scale": scale, "note": getattr(fn, "note", None),
+           "bytes": nbytes, "reps": args.reps, "buffer_sets": len(dsts), "status": None,
+           "error": None, "max_rel_err": None, "median_ms": None, "p20_ms": None, "p80_ms": None,
+           "gbps": None, "frac_copy": None, "timer": None, "speedup_vs_best_baseline": None,
+           "best_baseline": None, **{f"speedup_vs_{b}": None for b in BASELINES}}
     try:
-        ok, rel = check_provider(fn, dsts[0], srcs[0], idx, SCALE, args.overwrite)
+        ok, rel = check_provider(fn, dsts[0], srcs[0], idx, scale, args.overwrite)
         row.update(status="ok" if ok else "MISMATCH", max_rel_err=rel)
         (med, p20, p80), timer = time_calls(lambda i: fn(dsts[i], srcs[i]), len(dsts), device,
-                                            args.reps)
+                                            args.reps, warmup=False,
+                                            max_seconds=args.row_seconds)
     except Exception as exc:  # noqa: BLE001 - recorded in the row, the run goes on
         # torch refusing a baseline (e.g. mixed dtypes) is a finding, not a crash
         row["status"] = "unsupported" if name in BASELINES and row["status"] is None else "error"
@@ -166,20 +107,21 @@ def measure_provider(name: str, fn: Provider, w: Workload, dtype: str, dsts: lis
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Speed-up vs loop_literal and vs the faster of loop_add/foreach, per workload and dtype."""
+    """Speed-up vs every baseline, and vs the faster of loop_add/foreach, per workload and dtype."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["workload"], r["label"], r["dtype"]), []).append(r)
     for group in groups.values():
         ms = {r["provider"]: r["median_ms"] for r in group
               if r["status"] == "ok" and r["median_ms"]}
-        literal = ms.get("loop_literal")
         best = min((p for p in ("loop_add", "foreach") if p in ms), key=ms.get, default=None)
         for r in group:
-            if r["median_ms"]:
-                r["speedup_vs_loop_literal"] = literal / r["median_ms"] if literal else None
-                r["speedup_vs_best_baseline"] = ms[best] / r["median_ms"] if best else None
-                r["best_baseline"] = best
+            if not r["median_ms"]:
+                continue
+            for b in BASELINES:
+                r[f"speedup_vs_{b}"] = ms[b] / r["median_ms"] if b in ms else None
+            r["speedup_vs_best_baseline"] = ms[best] / r["median_ms"] if best else None
+            r["best_baseline"] = best
 
 
 def _free(device: torch.device) -> None:
@@ -187,22 +129,73 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc))
+
+
+def build_workloads(args: argparse.Namespace, device: torch.device) -> list[Workload | str]:
+    """The workloads in run order; a GPU Llama sized by free memory stays a name until then."""
+    out: list[Workload | str] = []
+    for name in args.workloads:
+        if name == "flat":
+            out += [make_workload("flat", n) for n in args.flat_numel]
+        elif name == "llama7b" and args.llama_layers is None:
+            out.append(name)  # sized right before allocation, from the memory free then
+        else:
+            out.append(make_workload(name, quick=args.quick, llama_layers=args.llama_layers or 32,
+                                     llama_dim_divisor=args.llama_dim_divisor))
+    return out
+
+
+def _resolve(w: Workload | str, args: argparse.Namespace, device: torch.device) -> Workload:
+    if isinstance(w, Workload):
+        return w
+    itemsize = max(DTYPES[d].itemsize for d in args.dtypes)
+    layers = fit_llama_layers(device, itemsize, n_sets=2)
+    return make_workload("llama7b", llama_layers=layers, llama_dim_divisor=args.llama_dim_divisor)
+
+
+def _skipped_rows(w: Workload, args: argparse.Namespace, names: list[str], exc: BaseException
+                  ) -> list[dict]:
+    err = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    return [{"workload": w.name, "label": w.label, "n_tensors": len(w.shapes), "numel": w.numel,
+             "workload_scale": w.scale, "dtype": d, "provider": n, "overwrite": args.overwrite,
+             "status": "skipped", "error": err, "median_ms": None, "gbps": None,
+             "frac_copy": None} for d in args.dtypes for n in names]
+
+
 def run_benchmarks(args: argparse.Namespace, device: torch.device, names: list[str]
-                   ) -> tuple[dict, list[dict]]:
-    """The copy_ ceiling, then every (workload, dtype, provider) row."""
+                   ) -> tuple[dict, list[dict], list[dict], list[dict]]:
+    """The copy_ ceiling, every (workload, dtype, provider) row, then host overhead rows."""
     providers = make_providers(device, SCALE, args.overwrite)
-    workloads = [make_workload(n, args.flat_numel, args.quick) for n in args.workloads]
-    total = 1 + len(workloads) * len(args.dtypes) * len(names)
+    workloads = build_workloads(args, device)
+    overhead_names = names if args.overhead else []
+    total = 1 + len(workloads) * len(args.dtypes) * len(names) + len(overhead_names)
     step = itertools.count(1)
-    copy = measure_copy(args.flat_numel, device, args.reps, args.max_sets)
+    copy = measure_copy(args.copy_numel, device, args.reps, args.max_sets)
     _free(device)
-    _log(f"[{next(step)}/{total}] copy_ fp32 {format_count(args.flat_numel)}: "
+    _log(f"[{next(step)}/{total}] copy_ fp32 {format_count(args.copy_numel)}: "
          f"{copy['median_ms']:.3f} ms {copy['gbps']:.1f} GB/s")
-    rows = []
+    rows: list[dict] = []
+    ran: list[dict] = []
     for w in workloads:
-        n_sets = num_buffer_sets(6 * w.numel, device, args.max_sets)
-        dsts = [random_tensors(w.shapes, torch.float32, device) for _ in range(n_sets)]
-        idx = sample_indices(w.shapes, device, seed=args.seed)
+        w = _resolve(w, args, device)
+        ran.append(w.describe())
+        try:
+            n_sets = num_buffer_sets(6 * w.numel, device, args.max_sets)
+            dsts = [random_tensors(w.shapes, torch.float32, device) for _ in range(n_sets)]
+            idx = sample_indices(w.shapes, device, seed=args.seed)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            dsts = idx = None
+            _free(device)
+            _log(f"{w.label}: skipped, out of memory ({exc})")
+            rows += _skipped_rows(w, args, names, exc)
+            for _ in range(len(args.dtypes) * len(names)):
+                next(step)
+            continue
         for dtype in args.dtypes:
             srcs = [random_tensors(w.shapes, DTYPES[dtype], device) for _ in range(n_sets)]
             for name in names:
@@ -217,52 +210,22 @@ def run_benchmarks(args: argparse.Namespace, device: torch.device, names: list[s
                     for t in itertools.chain.from_iterable(dsts):
                         t.normal_()
             del srcs
+            providers = make_providers(device, SCALE, args.overwrite)  # drop bound params
             _free(device)
         del dsts, idx
         _free(device)
     add_speedups(rows)
-    return copy, rows
-
-
-# --- reporting --------------------------------------------------------------------------------
-
-def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if x is None else f"{x:{spec}}{suffix}"
-
-
-def format_table(record: dict) -> str:
-    """The plain-text table printed at the end of a run."""
-    copy = record["copy"]
-    mode = "overwrite" if record["config"]["overwrite"] else "accumulate"
-    lines = [
-        (f"accumkernels.bench: {record['device_name']} ({record['device']}), torch "
-         f"{record['torch']}, triton {record['triton']}, {record['torch_threads']} threads, "
-         f"{mode}, scale {record['config']['scale']}"),
-        (f"copy_ fp32 {format_count(copy['numel'])} elements: {copy['median_ms']:.3f} ms, "
-         f"{copy['gbps']:.1f} GB/s"),
-        "",
-        (f"{'workload':<14} {'dtype':<5} {'provider':<20} {'median ms':>10} {'GB/s':>7} "
-         f"{'of copy':>7} {'vs literal':>10} {'vs add/foreach':>14}  check"),
-    ]
-    for r in record["rows"]:
-        lines.append(
-            f"{r['label']:<14} {r['dtype']:<5} {r['provider']:<20} "
-            f"{_fmt(r['median_ms'], '10.3f'):>10} {_fmt(r['gbps'], '7.1f'):>7} "
-            f"{_fmt(r['frac_copy'], '7.2f'):>7} "
-            f"{_fmt(r['speedup_vs_loop_literal'], '.2f', 'x'):>10} "
-            f"{_fmt(r['speedup_vs_best_baseline'], '.2f', 'x'):>14}  {r['status']}")
-    return "\n".join(lines)
-
-
-def _json_safe(x: object) -> object:
-    """NaN/inf are not JSON: write null."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
+    overhead = []
+    for name in overhead_names:
+        row = measure_overhead(name, make_providers(device, SCALE, args.overwrite)[name], device,
+                               args.overhead_tensors, args.overhead_numel, torch.bfloat16,
+                               args.overwrite)
+        overhead.append(row)
+        _log(f"[{next(step)}/{total}] overhead {args.overhead_tensors}x"
+             f"{format_count(args.overhead_numel)} {name}: "
+             + (f"{row['host_us']:.1f} us/call" if row["host_us"] else row["status"]))
+        _free(device)
+    return copy, rows, overhead, ran
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -271,22 +234,51 @@ def _csv(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        return [parse_count(s) for s in _csv(text)]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.device]:
     p = argparse.ArgumentParser(prog="python -m accumkernels.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--dtypes", type=_csv, default="bf16,fp32",
-                   help="gradient (src) dtypes: bf16, fp16, fp32 (default: bf16,fp32)")
-    p.add_argument("--workloads", type=_csv, default="gpt2,flat",
-                   help="gpt2 (GPT-2-124M parameter list), flat (one buffer) (default: both)")
-    p.add_argument("--flat-numel", type=parse_count, metavar="N",
-                   help="flat buffer and copy_ size, K/M/G = 2^10/2^20/2^30 "
-                        "(default: 256M on GPU, 16M on CPU, 65539 with --quick)")
+    p.add_argument("--dtypes", type=_csv, default="bf16,fp16,fp32",
+                   help="gradient (src) dtypes: bf16, fp16, fp32 (default: all three)")
+    p.add_argument("--workloads", type=_csv, default=",".join(WORKLOADS),
+                   help="gpt2 (GPT-2-124M list), llama7b (Llama-7B list, scaled), small "
+                        "(5000 x 1K tensors), flat (one buffer per --flat-numel size) "
+                        "(default: all)")
+    p.add_argument("--flat-numel", type=_counts, metavar="N[,N...]",
+                   help="flat buffer sizes, K/M/G = 2^10/2^20/2^30 (default: 1M,16M,256M on "
+                        "GPU, 1M,16M on CPU, 65539 with --quick)")
+    p.add_argument("--copy-numel", type=parse_count, metavar="N",
+                   help="copy_ ceiling size (default: the largest flat size)")
+    p.add_argument("--llama-layers", type=int, metavar="L",
+                   help="Llama-7B layers to keep, 1..32 (default: as many as fit in 40%% of free "
+                        "GPU memory; 32 on CPU)")
+    p.add_argument("--llama-dim-divisor", type=int, metavar="D",
+                   help="divide Llama's hidden/intermediate/vocab sizes by D, keeping all 291 "
+                        "tensors (default: 1 on GPU, 16 on CPU, 128 with --quick)")
     p.add_argument("--providers", type=_csv, default=[],
                    help="only these, comma-separated names or globs: loop_literal, loop_add, "
-                        "foreach, accumkernels:<backend>, accumkernels (= all backends)")
+                        "foreach, native_grad_dtype, accumkernels:<backend>, accumkernels "
+                        "(= all backends)")
     p.add_argument("--reps", type=int,
                    help="timed calls per measurement (default: 100 GPU, 5 CPU, 3 with --quick)")
+    p.add_argument("--row-seconds", type=float, metavar="S",
+                   help="CPU: stop timing a row after S seconds (>= 3 calls; default 2, 0 = "
+                        "never)")
+    p.add_argument("--overhead", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure host overhead per call on a short-tensor list (default: on)")
+    p.add_argument("--overhead-tensors", type=int, default=300, metavar="N",
+                   help="tensors in the host-overhead list (default: 300)")
+    p.add_argument("--overhead-numel", type=parse_count, default=1024, metavar="N",
+                   help="elements per tensor in the host-overhead list (default: 1K)")
+    p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
+                   help="write a PNG of GB/s vs flat size next to the JSON (needs matplotlib)")
     p.add_argument("--out", type=Path, help="JSON path (default: "
                    "benchmarks/results/<device-slug>-<YYYY-MM-DD>[-overwrite][-quick].json)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test in seconds")
@@ -299,11 +291,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
     for d in args.dtypes:
         if d not in DTYPES:
             p.error(f"unknown dtype {d!r} (choose from {', '.join(DTYPES)})")
+    args.workloads = [WORKLOAD_ALIASES.get(w, w) for w in args.workloads]
     for w in args.workloads:
-        if w not in ("gpt2", "flat"):
-            p.error(f"unknown workload {w!r} (choose from gpt2, flat)")
+        if w not in WORKLOADS:
+            p.error(f"unknown workload {w!r} (choose from {', '.join(WORKLOADS)})")
     if args.reps is not None and args.reps < 1:
         p.error("--reps must be at least 1")
+    if args.llama_layers is not None and not 1 <= args.llama_layers <= 32:
+        p.error("--llama-layers must be in 1..32")
+    if args.llama_dim_divisor is not None and args.llama_dim_divisor < 1:
+        p.error("--llama-dim-divisor must be at least 1")
+    if args.overhead_tensors < 1 or args.overhead_numel < 1:
+        p.error("--overhead-tensors and --overhead-numel must be at least 1")
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as exc:
@@ -318,9 +317,20 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         p.error(f"--device {device}: only cuda and cpu are supported")
     gpu = device.type == "cuda"
     if args.flat_numel is None:
-        args.flat_numel = QUICK_FLAT_NUMEL if args.quick else (256 << 20 if gpu else 16 << 20)
+        args.flat_numel = ([QUICK_FLAT_NUMEL] if args.quick
+                           else [1 << 20, 16 << 20] + ([256 << 20] if gpu else []))
+    if not args.flat_numel or min(args.flat_numel) < 1:
+        p.error("--flat-numel needs sizes of at least 1 element")
+    if args.copy_numel is None:
+        args.copy_numel = max(args.flat_numel)
+    if args.llama_dim_divisor is None:
+        args.llama_dim_divisor = 128 if args.quick else (1 if gpu else 16)
+    if args.llama_layers is None and (not gpu or args.quick):
+        args.llama_layers = 32
     if args.reps is None:
         args.reps = 3 if args.quick else (100 if gpu else 5)
+    if args.row_seconds is None:
+        args.row_seconds = 2.0
     args.max_sets = 2 if args.quick else 16
     return args, device
 
@@ -342,22 +352,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     now = datetime.datetime.now(datetime.timezone.utc)
     out = args.out or default_out_path(env["device_slug"], now.date(), args.overwrite, args.quick)
     started = time.perf_counter()
-    copy, rows = run_benchmarks(args, device, names)
-    workloads = [make_workload(n, args.flat_numel, args.quick) for n in args.workloads]
+    copy, rows, overhead, ran = run_benchmarks(args, device, names)
     record = {
-        "schema_version": 1, "date": now.isoformat(timespec="seconds"), "argv": argv, **env,
+        "schema_version": 2, "date": now.isoformat(timespec="seconds"), "argv": argv, **env,
         "config": {
-            "workloads": [{"name": w.name, "label": w.label, "n_tensors": len(w.shapes),
-                           "numel": w.numel} for w in workloads],
-            "dtypes": args.dtypes, "flat_numel": args.flat_numel, "reps": args.reps,
+            "workloads": ran, "dtypes": args.dtypes, "flat_sizes": args.flat_numel,
+            "copy_numel": args.copy_numel, "llama_layers": args.llama_layers,
+            "llama_dim_divisor": args.llama_dim_divisor, "reps": args.reps,
+            "row_seconds": args.row_seconds if device.type == "cpu" else None,
             "overwrite": args.overwrite, "quick": args.quick, "scale": SCALE, "seed": args.seed,
             "rel_tol": REL_TOL, "providers_filter": args.providers,
         },
         "providers": {n: provider_code(n, args.overwrite) for n in names},
-        "copy": copy, "rows": rows, "elapsed_s": time.perf_counter() - started,
+        "copy": copy, "rows": rows,
+        "overhead": {"config": {"n_tensors": args.overhead_tensors,
+                                "numel_per_tensor": args.overhead_numel, "dtype": "bf16",
+                                "batches": 5}, "rows": overhead} if args.overhead else None,
+        "plot": None, "elapsed_s": time.perf_counter() - started,
     }
+    if args.plot:
+        plot, msg = write_plot(record, out.with_suffix(".png"))
+        record["plot"] = plot.name if plot else None
+        _log(msg)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_json_safe(record), indent=1) + "\n")
+    out.write_text(json.dumps(json_safe(record), indent=1) + "\n")
     print(format_table(record), flush=True)
     _log(f"wrote {out} ({record['elapsed_s']:.1f} s)")
-    return 1 if any(r["status"] in ("MISMATCH", "error") for r in rows) else 0
+    bad = [r for r in rows + overhead if r["status"] in ("MISMATCH", "error")]
+    return 1 if bad else 0
