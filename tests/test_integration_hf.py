@@ -12,9 +12,11 @@ How Trainer (transformers 5.x) accumulates, and why the wrapper uses ``reduction
   loss kwargs Trainer divides by the window's micro-batch count itself: "sum" again.)
 * It calls ``optimizer.step()`` only at window boundaries, after clipping ``model.parameters()``
   with ``accelerator.clip_grad_norm_`` (whose return value it logs as ``grad_norm``), then the
-  scheduler, then ``model.zero_grad()``. The wrapper needs ``accumulation_steps=N`` so that the
-  window is visible in ``p.grad`` when Trainer clips (with ``None`` it would be visible only
-  inside ``step()``, after Trainer's clip).
+  scheduler, then ``model.zero_grad()``. The window must be in ``p.grad`` when Trainer clips, at
+  the end of the window's last backward: with ``accumulation_steps=N`` the wrapper knows where
+  full windows end; a short window at the end of an epoch (and any window, with
+  ``accumulation_steps=None``) ends where Trainer marks it, through Accelerate's
+  ``GradientState.sync_gradients``, which Trainer sets before every micro-batch.
 """
 
 from __future__ import annotations
@@ -45,14 +47,15 @@ MICRO_BATCH = 2
 
 def train_with_trainer(model, samples, tmp_path, *, wrap: bool, max_steps: int = -1,
                        epochs: float = 1, max_grad_norm: float = MAX_GRAD_NORM,
-                       max_grad_norm_wrapper: float | None = None):
+                       max_grad_norm_wrapper: float | None = None,
+                       accumulation_steps: int | None = N_ACCUM):
     """Trainer run; returns (log_history, optimizer it was given)."""
     from transformers import Trainer, TrainingArguments
 
     total = max_steps if max_steps > 0 else 8
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     if wrap:
-        opt = AccumulatingOptimizer(opt, accumulation_steps=N_ACCUM, reduction="sum",
+        opt = AccumulatingOptimizer(opt, accumulation_steps=accumulation_steps, reduction="sum",
                                     max_grad_norm=max_grad_norm_wrapper)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay(total))
     args = TrainingArguments(
@@ -129,19 +132,42 @@ def test_trainer_bf16_model_clips_fp32_window(tmp_path):
     assert_moved(ours, start)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Trainer ends an epoch whose micro-batch count is not a multiple of N with a short "
-    "window and calls step() there; with accumulation_steps=N the wrapper treats that step() "
-    "as a no-op (the window stays open), Trainer's clip saw no .grad, and the next epoch's "
-    "third backward raises 'a backward pass started after the window ... was complete'"))
-def test_trainer_short_last_window_matches_native(tmp_path):
-    """10 micro-batches per epoch, GA=4: windows of 4, 4, 2 per epoch, two epochs."""
+@pytest.mark.parametrize("accumulation_steps", [N_ACCUM, None])
+def test_trainer_short_last_window_matches_native(tmp_path, accumulation_steps):
+    """10 micro-batches per epoch, GA=4: windows of 4, 4, 2 per epoch, two epochs. Trainer steps
+    the short window (normalised by its own token count); so must the wrapper, after clipping.
+    (Fixed in 7f38bc6: the step() used to be a no-op and the next epoch's backward raised.)"""
     samples = token_batches(10 * MICRO_BATCH)
     start = tiny_gpt2()
     native, ours = copy.deepcopy(start), copy.deepcopy(start)
     native_logs, _ = train_with_trainer(native, samples, tmp_path / "native", wrap=False, epochs=2)
-    our_logs, _ = train_with_trainer(ours, samples, tmp_path / "ours", wrap=True, epochs=2)
+    our_logs, opt = train_with_trainer(ours, samples, tmp_path / "ours", wrap=True, epochs=2,
+                                       accumulation_steps=accumulation_steps)
     assert len(native_logs) == 6
     assert [h["grad_norm"] for h in our_logs] == pytest.approx(
         [h["grad_norm"] for h in native_logs], rel=1e-6)
+    assert all(s["step"].item() == 6 for s in opt.state.values())
+    assert_same_params(native, ours)
+
+
+@pytest.mark.parametrize("per_epoch", [
+    2,
+    pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=(
+        "BUG: an epoch of ONE micro-batch with GA=4: Trainer marks every micro-batch as a sync "
+        "step (GradientState.sync_gradients is never False, so the wrapper never learns that "
+        "Trainer drives the windows) and calls step() after each; the wrapper, told N=4, waits "
+        "for 4 micro-batches: Trainer's clip sees no .grad (grad_norm 0.0 logged) and 3 epochs "
+        "take no optimizer step at all instead of 3"))),
+])
+def test_trainer_epoch_shorter_than_window(tmp_path, per_epoch):
+    """Every window is the short end-of-epoch one, the very first window included."""
+    samples = token_batches(per_epoch * MICRO_BATCH)
+    start = tiny_gpt2()
+    native, ours = copy.deepcopy(start), copy.deepcopy(start)
+    native_logs, _ = train_with_trainer(native, samples, tmp_path / "native", wrap=False, epochs=3)
+    our_logs, opt = train_with_trainer(ours, samples, tmp_path / "ours", wrap=True, epochs=3)
+    assert len(native_logs) == 3
+    assert [h["grad_norm"] for h in our_logs] == pytest.approx(
+        [h["grad_norm"] for h in native_logs], rel=1e-6)
+    assert all(s["step"].item() == 3 for s in opt.state.values())
     assert_same_params(native, ours)

@@ -57,13 +57,9 @@ def native_loop(model, micro_batches):
     pytest.param("trainer", True, id="trainer-in_backward"),
     pytest.param("accelerate", True, id="accelerate-in_backward"),
     pytest.param("trainer", False, id="trainer-at_step"),
-    pytest.param("accelerate", False, id="accelerate-at_step", marks=pytest.mark.xfail(
-        strict=True, reason=(
-            "BUG: accumulate_in_backward=False with step() every micro-batch: at the end of the "
-            "N-th backward p.grad holds only that micro-batch's gradient (the earlier ones were "
-            "moved into the window by the earlier step() calls), so clip_grad_norm_ on the "
-            "model sees and scales the wrong gradient; the contract says p.grad shows the "
-            "whole window at the end of the N-th backward when N is known"))),
+    # Fixed in 7f38bc6: p.grad used to hold only the N-th micro-batch's gradient here (the
+    # earlier ones had been moved by the earlier step() calls), so the clip saw the wrong one.
+    pytest.param("accelerate", False, id="accelerate-at_step"),
 ])
 def test_plain_loop_matches_native(style, accumulate_in_backward):
     micro_batches = batches(token_batches(3 * N_ACCUM * MICRO_BATCH))
