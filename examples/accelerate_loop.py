@@ -9,8 +9,8 @@ The only change to Accelerate's gradient-accumulation recipe is wrapping the opt
   only forwards them on sync micro-batches, and the wrapper's ``zero_grad()`` never clears the
   window anyway.
 
-Keep the dataloader length a multiple of N (or drop the last partial window): Accelerate ends an
-epoch with a short window and the wrapper, told N, would wait for the rest of it.
+A dataloader whose length is not a multiple of N ends each epoch with a short window; Accelerate
+marks it (``sync_gradients``) and the wrapper steps it like native, normalised the same way.
 
 Run: ``python examples/accelerate_loop.py --steps 20``
 """
@@ -28,7 +28,7 @@ from accumkernels import AccumulatingOptimizer
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per epoch")
+    parser.add_argument("--steps", type=int, default=20, help="full windows per epoch")
     parser.add_argument("--accum", type=int, default=4, help="gradient_accumulation_steps")
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=2)
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> float:
     accelerator = Accelerator(gradient_accumulation_steps=args.accum, cpu=True)
     torch.manual_seed(0)
     # A small classifier on synthetic data: 8 Gaussian clusters in 20 dimensions.
-    n = args.steps * args.accum * args.micro_batch  # whole windows only
+    # Half a window more than --steps windows: each epoch ends with a short window.
+    n = (args.steps * args.accum + args.accum // 2) * args.micro_batch
     centers = torch.randn(8, 20) * 2
     labels = torch.randint(0, 8, (n,))
     inputs = centers[labels] + torch.randn(n, 20)
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> float:
         accumulation_steps=args.accum,  # = gradient_accumulation_steps
         reduction="sum",                # accelerator.backward divides by N already
     )
-    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, args.steps * args.epochs)
+    total_steps = (args.steps + 1) * args.epochs
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_steps)
     model, optimizer, dataloader, scheduler = accelerator.prepare(
         model, optimizer, dataloader, scheduler)
 
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> float:
                 optimizer.zero_grad()
             total += loss.item() * len(y)
             count += len(y)
-        print(f"epoch {epoch}  loss {total / count:.4f}")
+        print(f"epoch {epoch}  loss {total / count:.4f}  optimizer steps so far "
+              f"{scheduler.scheduler.last_epoch}")
 
     with torch.no_grad():
         final = nn.functional.cross_entropy(model(inputs), labels).item()

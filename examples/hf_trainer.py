@@ -12,8 +12,8 @@ nothing else in the Trainer setup changes:
   ``p.grad`` shows it as fp32 (``Tensor.grad_dtype``), and AdamW steps fp32 master weights that
   are copied back to the bf16 model.
 
-Keep the number of micro-batches per epoch a multiple of ``gradient_accumulation_steps``: Trainer
-ends an epoch with a short window, and the wrapper, told N, would wait for the rest of it.
+A short window at the end of an epoch is stepped like native: Trainer marks it through
+Accelerate's ``GradientState.sync_gradients``, which the wrapper follows.
 
 A tiny GPT-2 built from a config and synthetic token sequences keep it offline and fast.
 
@@ -65,7 +65,6 @@ def main(argv: list[str] | None = None) -> float:
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32,
                         bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config).to(torch.bfloat16)
-    # One epoch of whole windows.
     dataset = CountingDataset(args.steps * args.accum * args.micro_batch, seq=20, vocab=128)
 
     optimizer = AccumulatingOptimizer(

@@ -10,10 +10,9 @@ the accumulation exact and fused:
   ``p.grad``;
 * ``reduction="sum"``: Lightning already divides the loss by ``accumulate_grad_batches``.
 
-Keep the batches per epoch a multiple of ``accumulate_grad_batches``: Lightning ends an epoch
-with a short window, and the wrapper, told N, would wait for the rest of it. For bf16 models,
-clip with the wrapper's ``max_grad_norm`` rather than ``gradient_clip_val`` (Lightning clips the
-optimizer's params, which are then the fp32 master copies).
+A short window at the end of an epoch is stepped like native (Lightning's ``step(closure)``
+ends it). For bf16 models with master weights, ``gradient_clip_val`` clips the fp32 window too:
+Lightning clips the optimizer's params, the fp32 masters, whose ``.grad`` is the window.
 
 Run: ``python examples/lightning_module.py --steps 10``
 """
