@@ -252,6 +252,7 @@ def test_overhead_breaks_down_the_cpu_call():
     row = overhead.measure_overhead("accumkernels:cpu", providers["accumkernels:cpu"], CPU,
                                     n_tensors=300, numel=16)
     assert row["status"] == "ok", row
+    assert (row["n_tensors"], row["numel_per_tensor"], row["dtype"]) == (300, 16, "bf16")
     assert row["host_us"] > 0 and row["wall_us"] > 0 and row["device_us"] is None
     assert set(row["stages_us"]) == {"accumulate_", "custom_op", "backend", "binding"}
     for key in ("validation_us", "dispatch_us", "marshal_us", "binding_us", "python_us"):

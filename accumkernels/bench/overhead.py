@@ -22,6 +22,9 @@ import accumkernels
 
 from .measure import random_tensors, time_calls
 from .providers import Provider, provider_scale
+from .workloads import DTYPES
+
+_SHORT = {v: k for k, v in DTYPES.items()}  # torch.bfloat16 -> "bf16"
 
 TARGET_BATCH_S = 0.02  # host time per batch of back-to-back calls
 BATCHES = 5
@@ -121,7 +124,7 @@ def measure_overhead(name: str, fn: Provider, device: torch.device, n_tensors: i
     dst = random_tensors(shapes, torch.float32, device)
     src = random_tensors(shapes, dtype, device)
     row = {"provider": name, "n_tensors": n_tensors, "numel_per_tensor": numel,
-           "dtype": str(dtype).removeprefix("torch."), "overwrite": overwrite, "status": "ok",
+           "dtype": _SHORT.get(dtype, str(dtype)), "overwrite": overwrite, "status": "ok",
            "error": None, "calls_per_batch": None, "host_us": None, "wall_us": None,
            "device_us": None, "stages_us": None, "validation_us": None, "dispatch_us": None,
            "marshal_us": None, "binding_us": None, "python_us": None}
