@@ -334,8 +334,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         module = sys.modules.get("accelerate.state")
         if module is None or module.GradientState._shared_state == {}:
             return False
-        sync = bool(module.GradientState().sync_gradients)
-        if not sync:
+        state = module.GradientState()
+        sync = bool(state.sync_gradients)
+        if not sync or state.num_steps > 1:  # Accelerator(gradient_accumulation_steps>1) drives
             self._framework_driven = True
         return sync and self._framework_driven
 
