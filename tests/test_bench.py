@@ -322,11 +322,13 @@ def _check_rows(record: dict, workloads, dtypes, providers) -> None:
 def test_cli_quick(tmp_path):
     out = tmp_path / "x.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "accumkernels.bench", "--quick", "--device", "cpu", "--out",
-         str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)
+        [sys.executable, "-m", "accumkernels.bench", "--quick", "--device", "cpu", "--threads",
+         "1", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        check=False)
     assert proc.returncode == 0, proc.stderr
     record = json.loads(out.read_text())
     assert set(METADATA) <= set(record)
+    assert record["torch_threads"] == record["config"]["threads"] == 1
     assert record["schema_version"] == 2
     assert record["device"] == "cpu" and record["gpu_name"] is None
     assert record["torch"] == torch.__version__

@@ -284,8 +284,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test in seconds")
     p.add_argument("--overwrite", action="store_true",
                    help="time overwrite=True (first micro-batch of a window)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch.set_num_threads(N) first; the CPU backend uses the same count "
+                        "(default: torch's). On a shared machine, 1 keeps torch's per-op "
+                        "thread wake-ups from inflating the baselines")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be at least 1")
 
     args.dtypes = [DTYPE_ALIASES.get(d, d) for d in args.dtypes]
     for d in args.dtypes:
@@ -347,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not names:
         _log("error: no provider selected")
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     env = environment(device)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -360,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "copy_numel": args.copy_numel, "llama_layers": args.llama_layers,
             "llama_dim_divisor": args.llama_dim_divisor, "reps": args.reps,
             "row_seconds": args.row_seconds if device.type == "cpu" else None,
-            "overwrite": args.overwrite, "quick": args.quick, "scale": SCALE, "seed": args.seed,
+            "threads": args.threads, "overwrite": args.overwrite, "quick": args.quick,
+            "scale": SCALE, "seed": args.seed,
             "rel_tol": REL_TOL, "providers_filter": args.providers,
         },
         "providers": {n: provider_code(n, args.overwrite) for n in names},
