@@ -48,7 +48,8 @@ MICRO_BATCH = 2
 def train_with_trainer(model, samples, tmp_path, *, wrap: bool, max_steps: int = -1,
                        epochs: float = 1, max_grad_norm: float = MAX_GRAD_NORM,
                        max_grad_norm_wrapper: float | None = None,
-                       accumulation_steps: int | None = N_ACCUM):
+                       accumulation_steps: int | None = N_ACCUM, save_steps: int = 0,
+                       resume_from: str | None = None):
     """Trainer run; returns (log_history, optimizer it was given)."""
     from transformers import Trainer, TrainingArguments
 
@@ -59,7 +60,8 @@ def train_with_trainer(model, samples, tmp_path, *, wrap: bool, max_steps: int =
                                     max_grad_norm=max_grad_norm_wrapper)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay(total))
     args = TrainingArguments(
-        output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no",
+        output_dir=str(tmp_path), report_to=[], use_cpu=True,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         logging_steps=1, per_device_train_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=N_ACCUM, max_grad_norm=max_grad_norm,
         max_steps=max_steps, num_train_epochs=epochs, seed=0, data_seed=0,
@@ -67,7 +69,7 @@ def train_with_trainer(model, samples, tmp_path, *, wrap: bool, max_steps: int =
     )
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(samples),
                       optimizers=(opt, scheduler))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     return [h for h in trainer.state.log_history if "grad_norm" in h], opt
 
 
@@ -130,6 +132,28 @@ def test_trainer_bf16_model_clips_fp32_window(tmp_path):
         assert p.dtype == torch.bfloat16
         torch.testing.assert_close(p.float(), q.float(), atol=1e-6, rtol=2 ** -8)
     assert_moved(ours, start)
+
+
+def test_trainer_checkpoint_resume(tmp_path):
+    """bf16 model: Trainer saves optimizer.state_dict() (the wrapper's: inner AdamW state, fp32
+    master weights, window) at step 2 and a fresh Trainer + wrapper resumes from it. Everything
+    is restored exactly and the remaining steps compute the same thing: bit-for-bit equal to the
+    uninterrupted run (the tolerance is the usual safety margin)."""
+    steps = 4
+    samples = token_batches(steps * N_ACCUM * MICRO_BATCH)
+    start = tiny_gpt2(dtype=torch.bfloat16)
+    full, resumed = copy.deepcopy(start), copy.deepcopy(start)
+    full_logs, _ = train_with_trainer(full, samples, tmp_path / "full", wrap=True,
+                                      max_steps=steps, save_steps=2)
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").exists()
+    resumed_logs, opt = train_with_trainer(resumed, samples, tmp_path / "resumed", wrap=True,
+                                           max_steps=steps, resume_from=str(checkpoint))
+    assert opt.master_weights
+    assert [h["grad_norm"] for h in resumed_logs] == [h["grad_norm"] for h in full_logs]
+    assert all(s["step"].item() == steps for s in opt.state.values())
+    assert_moved(resumed, start)
+    assert_same_params(full, resumed)
 
 
 @pytest.mark.parametrize("accumulation_steps", [N_ACCUM, None])
