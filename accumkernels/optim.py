@@ -28,6 +28,12 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
 
 
+def _is_lightning_closure(closure: object) -> bool:
+    func = getattr(closure, "func", closure)  # Lightning passes a functools.partial
+    module = getattr(func, "__module__", None) or type(func).__module__ or ""
+    return module.split(".")[0] in ("lightning", "pytorch_lightning")
+
+
 def _check_choice(name: str, value: object, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
@@ -484,18 +490,24 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Run ``closure`` (if any), then step if the window is complete; returns its loss."""
+        """Run ``closure`` (if any), then step if the window is complete; returns its loss.
+
+        Lightning calls ``step(closure)`` only to end a window (a short one at the end of an
+        epoch too) and runs the window's last forward/backward, and its clipping, inside the
+        closure: so a Lightning closure's backward is the boundary, and the step is real.
+        """
         loss = None
         if closure is not None:
-            # Lightning runs the window's last micro-batch (and clips) inside the closure; when
-            # this step() ends the window anyway, its backward is the boundary.
-            self._closure_ends_window = self._boundary_only or self.accumulation_steps is None
+            ends = _is_lightning_closure(closure)
+            self._closure_ends_window = ends or self._boundary_only or self.accumulation_steps is None
             try:
                 with torch.enable_grad():
                     loss = closure()
             finally:
                 self._closure_ends_window = False
-        self._step(force=False)
+            self._step(force=ends)
+        else:
+            self._step(force=False)
         return loss
 
     def _step(self, force: bool) -> None:
@@ -599,6 +611,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state_dict() of a wrapper built the same way (same params and options)."""
+        missing = {"optimizer", "master_weights", "main_grad", "window"} - set(state_dict)
+        if missing:
+            raise ValueError(
+                f"load_state_dict: not an AccumulatingOptimizer state_dict (missing "
+                f"{sorted(missing)}); to load the inner optimizer's own state use "
+                "opt.optimizer.load_state_dict() before wrapping it")
         masters = self._master_list()
         buffers = list(self._buffer.buffers.values())
         for name, mine, theirs in (("master_weights", masters, state_dict["master_weights"]),

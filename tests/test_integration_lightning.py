@@ -170,12 +170,6 @@ def test_lightning_short_last_window_matches_native(accumulation_steps):
     assert_same_params(native, ours)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: epochs of 2 batches with accumulate_grad_batches=4: Lightning calls step(closure) at "
-    "the end of every epoch, but the wrapper, told N=4, lets a closure's backward end the window "
-    "only after it has seen a full window stepped by a single step() call, which never happens "
-    "here; the step()s are no-ops, Lightning's hooks/clip see no .grad, and windows merge "
-    "across epochs (1 optimizer step in 3 epochs instead of 3)"))
 def test_lightning_epoch_shorter_than_window():
     """Every window is the short end-of-epoch one, the very first window included."""
     samples = token_batches(2 * MICRO_BATCH)

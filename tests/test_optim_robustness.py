@@ -377,3 +377,11 @@ def test_process_group_single_rank_gloo(tmp_path):
             assert torch.equal(p, q)  # the average over one rank is the identity
     finally:
         dist.destroy_process_group()
+
+
+def test_load_state_dict_of_a_plain_optimizer_is_a_clear_error():
+    model = make_model()
+    opt = _sgd(model, accumulation_steps=2)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
+    with pytest.raises(ValueError, match="not an AccumulatingOptimizer state_dict"):
+        opt.load_state_dict(plain)
