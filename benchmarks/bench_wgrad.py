@@ -38,16 +38,13 @@ import torch
 import accumkernels
 from accumkernels import wgrad
 from accumkernels.bench.cli import default_out_path, environment
+from accumkernels.bench.workloads import mlp_stack
 
 PROVIDERS = ("native_bf16", "unfused", "fused")
 
 
 def make_model(width: int, blocks: int, device: torch.device) -> torch.nn.Module:
-    layers = []
-    for _ in range(blocks):
-        layers += [torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                   torch.nn.Linear(4 * width, width)]
-    return torch.nn.Sequential(*layers).to(device, torch.bfloat16)
+    return mlp_stack(width, blocks, device)
 
 
 class _Timer:

@@ -30,16 +30,13 @@ import torch
 
 import accumkernels
 from accumkernels.bench.cli import default_out_path, environment
+from accumkernels.bench.workloads import mlp_stack
 
 PROVIDERS = ("native_bf16", "main_grad_loop", "accumkernels")
 
 
-def make_model(width: int, layers: int, device: torch.device) -> torch.nn.Module:
-    blocks = []
-    for _ in range(layers):
-        blocks += [torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                   torch.nn.Linear(4 * width, width)]
-    return torch.nn.Sequential(*blocks).to(device, torch.bfloat16)
+def make_model(width: int, blocks: int, device: torch.device) -> torch.nn.Module:
+    return mlp_stack(width, blocks, device)
 
 
 class Native:

@@ -181,3 +181,14 @@ def format_count(n: int) -> str:
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{suffix}"
     return str(n)
+
+
+def mlp_stack(width: int, blocks: int, device: torch.device | str,
+              dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """``blocks`` GPT-2 MLP blocks (Linear(w, 4w), GELU, Linear(4w, w)): the model of the
+    wrapper and fused-weight-gradient benchmarks."""
+    layers: list[torch.nn.Module] = []
+    for _ in range(blocks):
+        layers += [torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                   torch.nn.Linear(4 * width, width)]
+    return torch.nn.Sequential(*layers).to(device, dtype)
