@@ -22,6 +22,8 @@ except ImportError:  # triton is optional
 # 4 warps while keeping the tail of small tensors short.
 BLOCK = 4096
 NUM_WARPS = 4
+# Pointer tables of launches captured in CUDA graphs, kept alive for the graphs' replays.
+_CAPTURED_TABLES: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def is_available(device: torch.device) -> bool:
@@ -93,7 +95,12 @@ def _launch(dst, src, scale, scale_tensor, overwrite, found_inf) -> None:
         dtype=torch.int64,
     )
     if device.type != "cpu":
-        table = table.pin_memory().to(device, non_blocking=True)
+        host = table.pin_memory()
+        table = host.to(device, non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():
+            # The captured copy re-reads `host` on every replay, and the kernel reads `table`:
+            # both must outlive the graph (a small, bounded leak per captured call).
+            _CAPTURED_TABLES.append((host, table))
     n = len(dst)
     _accumulate_kernel[(total,)](
         table,
