@@ -12,7 +12,7 @@ What Lightning does with ``accumulate_grad_batches=N``, and why the wrapper uses
   ``p.grad`` at the end of that backward, for the hooks and the clip: with
   ``accumulation_steps=N`` the wrapper knows where full windows end; a short window at the end
   of an epoch (and any window, with ``accumulation_steps=None``) ends with the backward inside
-  a ``step(closure)`` once the wrapper has seen that step() comes only at window ends.
+  a Lightning ``step(closure)``, which the wrapper recognises as a window end.
 * Lightning clips the parameters of ``optimizer.param_groups`` (its precision plugin's
   ``main_params``), not ``model.parameters()``: with master weights those are the fp32 masters.
 """
