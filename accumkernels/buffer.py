@@ -135,7 +135,6 @@ class MasterGradBuffer:
 
     def accumulate(
         self,
-        bucket: Bucket,
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
         scale: float | torch.Tensor = 1.0,
@@ -146,7 +145,7 @@ class MasterGradBuffer:
     ) -> None:
         """One fused launch: ``view(p) = (0 if overwrite else view(p)) + scale * grad``.
 
-        ``params`` are some or all of ``bucket``'s params (the bucket is what the launch covers).
+        The wrapper passes the params of one bucket, so a launch covers one contiguous range.
         """
         accumulate_([self._views[id(p)] for p in params], grads, scale, overwrite=overwrite,
                     found_inf=found_inf, backend=backend)

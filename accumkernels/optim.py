@@ -310,7 +310,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ready = self._ready.setdefault(bucket.index, [])
         ready.append(p)
         if self.nonfinite != "skip_microbatch" and len(ready) == len(bucket.params):
-            self._launch(bucket.index, ready)  # the bucket is complete: move it, free the grads
+            self._launch(ready)  # the bucket is complete: move it, free the grads
             del self._ready[bucket.index]
             n = self.accumulation_steps
             if self._reducer is not None and n is not None and self._micro_steps == n - 1:
@@ -380,9 +380,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self.nonfinite == "skip_microbatch":
             grads = [p.grad for params in ready.values() for p in params if p.grad is not None]
             kept = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-        for index, params in ready.items():
+        for params in ready.values():
             if kept:
-                self._launch(index, params)
+                self._launch(params)
             else:
                 for p in params:
                     p.grad = None
@@ -398,21 +398,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if end_window or (n is not None and self._micro_steps >= n):
             self._finish_window()
 
-    def _launch(self, index: int, params: list[torch.Tensor]) -> None:
-        """Move the grads of ``params`` (all in bucket ``index``) with one fused launch."""
+    def _launch(self, params: list[torch.Tensor]) -> None:
+        """Move the grads of ``params`` (all of one bucket) with one fused launch."""
         # AccumulateGrad runs (and calls the post-accumulate-grad hook) even when a gradient is
         # undefined: a custom autograd.Function returning None for it, or a weight whose
         # gradient fuse_wgrad_accumulation wrote straight into the window. Nothing to move.
         params = [p for p in params if p.grad is not None]
         if not params:
             return
-        bucket = self._buffer.buckets[index]
         found_inf = self._found_inf if self.nonfinite != "skip_microbatch" else None
         first = [p for p in params if id(p) not in self._touched]
         # Normally all or none of a bucket's params are new to the window: one launch.
         for group, overwrite in ((first, True), ([p for p in params if id(p) in self._touched], False)):
             if group:
-                self._buffer.accumulate(bucket, group, [p.grad for p in group], self._prescale(),
+                self._buffer.accumulate(group, [p.grad for p in group], self._prescale(),
                                         overwrite=overwrite, found_inf=found_inf,
                                         backend=self.backend)
         for p in params:

@@ -99,16 +99,16 @@ def test_accumulate_overwrite_touches_only_the_given_params():
     (bucket,) = buf.buckets
     bucket.flat.fill_(math.nan)  # poisoned: overwrite must not read it
     g = [torch.randn(p.shape).to(torch.bfloat16) for p in params]
-    buf.accumulate(bucket, [params[1]], [g[1]], 0.5, overwrite=True)
+    buf.accumulate([params[1]], [g[1]], 0.5, overwrite=True)
     assert torch.equal(buf.view(params[1]), g[1].float() * 0.5)  # exact: power-of-two scale
     assert buf.view(params[0]).isnan().all() and buf.view(params[2]).isnan().all()
-    buf.accumulate(bucket, [params[0], params[2]], [g[0], g[2]], 0.5, overwrite=True)
-    buf.accumulate(bucket, params, g, 0.25)
+    buf.accumulate([params[0], params[2]], [g[0], g[2]], 0.5, overwrite=True)
+    buf.accumulate(params, g, 0.25)
     for i, p in enumerate(params):  # each element: at most two fp32 roundings of bf16 values
         ref = g[i].double() * 0.75
         torch.testing.assert_close(buf.view(p).double(), ref, rtol=2 ** -23, atol=0)
     bucket.flat.fill_(math.nan)
-    buf.accumulate(bucket, params, g, 1.0, overwrite=True)
+    buf.accumulate(params, g, 1.0, overwrite=True)
     for i, p in enumerate(params):
         assert torch.equal(buf.view(p), g[i].float())
 
