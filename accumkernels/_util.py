@@ -1,0 +1,39 @@
+"""Argument checks and dtype constants shared by every layer (written once, here)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+SRC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_choice(name: str, value: object, choices: tuple) -> None:
+    """ValueError unless ``value`` is one of ``choices``."""
+    if not isinstance(value, str) and not isinstance(value, bool) and value is not None \
+            or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def positive_int(name: str, value: object) -> int:
+    """A positive int (bools refused): TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return int(value)
+
+
+def finite_positive(name: str, value: object) -> float:
+    """A finite positive real number (Python, numpy or 0-dim tensor scalars; bools refused)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite positive number, got {value}")
+    return value
