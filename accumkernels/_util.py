@@ -13,8 +13,11 @@ SRC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_choice(name: str, value: object, choices: tuple) -> None:
     """ValueError unless ``value`` is one of ``choices``."""
-    if not isinstance(value, str) and not isinstance(value, bool) and value is not None \
-            or value not in choices:
+    try:
+        known = any(value is c or (type(value) is type(c) and value == c) for c in choices)
+    except TypeError:
+        known = False
+    if not known:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
