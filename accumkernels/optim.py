@@ -18,6 +18,7 @@ from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model
 from accumkernels.distributed import WindowReducer, WindowTotals
 from accumkernels.scaling import LossScaler
+from accumkernels.slot import SLOT_ATTR, SlotWrite
 
 __all__ = ["AccumulatingOptimizer"]
 
@@ -37,6 +38,30 @@ def _is_lightning_closure(closure: object) -> bool:
 def _check_choice(name: str, value: object, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+class _Slot:
+    """The wrapper's side of the slot protocol (accumkernels.slot); holds its owner weakly."""
+
+    def __init__(self, owner: "AccumulatingOptimizer"):
+        import weakref
+        self._owner = weakref.ref(owner)
+
+    @property
+    def owner(self):
+        return self._owner()
+
+    def check_fusable(self) -> None:
+        owner = self._owner()
+        if owner is not None and owner.nonfinite == "skip_microbatch":
+            raise ValueError("fused gradient writes cannot be undone: nonfinite='skip_microbatch' "
+                             "is not supported with fuse_wgrad_accumulation")
+
+    def claim(self, p: torch.Tensor) -> SlotWrite:
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("the AccumulatingOptimizer that managed this param is gone")
+        return SlotWrite(*owner._fused_gradient_slot(p))
 
 
 class AccumulatingOptimizer(torch.optim.Optimizer):
@@ -153,7 +178,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._ready: dict[int, list[torch.Tensor]] = {}  # bucket index -> params with grads
         self._reset_window()
         self._hooks = []
+        slot = _Slot(self)
         for p in self._params:
+            setattr(p, SLOT_ATTR, slot)
             self._hooks.append(p.register_hook(self._before_grad_accumulation))
             if accumulate_in_backward:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
