@@ -39,7 +39,7 @@ test: $(VENV)/.installed $(VENV)/.test-deps
 	$(PY) -m pytest
 
 bench: $(VENV)/.installed
-	$(PY) -m accumkernels.bench $(BENCH_ARGS)
+	$(PY) -m benchmarks.accumbench $(BENCH_ARGS)
 
 clean:
 	rm -rf build *.egg-info accumkernels/_C*.so .pytest_cache

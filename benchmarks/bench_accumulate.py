@@ -5,7 +5,7 @@ memory, 5,000 tensors of 1K elements, and flat buffers of 1M, 16M and 256M eleme
 same lists at the CLI's --quick sizes (148- and 291-tensor lists under 1M elements, 1,000 x 65,
 one 65539-element buffer), so that CI (pyproject sets --benchmark-disable: each test runs once,
 after its float64 check) takes seconds. Numbers: ``pytest benchmarks --benchmark-enable``; the
-bandwidth report is ``python -m accumkernels.bench``.
+bandwidth report is ``python -m benchmarks.accumbench``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-from accumkernels import bench
+import accumbench as bench
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.type == "cuda"

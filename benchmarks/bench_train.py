@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 
 import accumkernels
-from accumkernels.bench.env import default_out_path, environment
-from accumkernels.bench.report import json_safe
+from accumbench.env import default_out_path, environment
+from accumbench.report import json_safe
 
 FOOTNOTE = ("err hooks: vs the float64 sum of the bf16 gradients the row itself accumulated; "
             "err recomp: vs recomputed bf16 gradients\n(large batch: a different computation; "

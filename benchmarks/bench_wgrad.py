@@ -37,8 +37,8 @@ import torch
 
 import accumkernels
 from accumkernels import wgrad
-from accumkernels.bench.cli import default_out_path, environment
-from accumkernels.bench.workloads import mlp_stack
+from accumbench.cli import default_out_path, environment
+from accumbench.workloads import mlp_stack
 
 PROVIDERS = ("native_bf16", "unfused", "fused")
 

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 import accumkernels
-from accumkernels.bench.cli import default_out_path, environment
-from accumkernels.bench.workloads import mlp_stack
+from accumbench.cli import default_out_path, environment
+from accumbench.workloads import mlp_stack
 
 PROVIDERS = ("native_bf16", "main_grad_loop", "accumkernels")
 

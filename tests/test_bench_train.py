@@ -13,6 +13,9 @@ import torch
 pytest.importorskip("transformers")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# bench_train imports the benchmark package (benchmarks/accumbench) the way its scripts do.
+if str(REPO_ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 _spec = importlib.util.spec_from_file_location("bench_train",
                                                REPO_ROOT / "benchmarks" / "bench_train.py")
 bench_train = importlib.util.module_from_spec(_spec)

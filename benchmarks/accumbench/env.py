@@ -13,7 +13,7 @@ import torch
 
 import accumkernels
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, when run from one
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout (benchmarks/accumbench/../..)
 
 
 def cpu_name() -> str:

@@ -242,7 +242,7 @@ def _counts(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.device]:
-    p = argparse.ArgumentParser(prog="python -m accumkernels.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.accumbench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--dtypes", type=_csv, default="bf16,fp16,fp32",

@@ -1,6 +1,6 @@
 """Benchmark helpers for ``accumulate_``: workloads, providers, checks, timers.
 
-The CLI built from them is ``python -m accumkernels.bench`` (see cli.py); the pytest-benchmark
+The CLI built from them is ``python -m benchmarks.accumbench`` (see cli.py); the pytest-benchmark
 suite in benchmarks/bench_accumulate.py reuses them. Performance is reported as effective
 bandwidth (bytes read + written per second) next to a device-to-device ``copy_``.
 

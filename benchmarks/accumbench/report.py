@@ -20,7 +20,7 @@ def format_table(record: dict) -> str:
     copy = record["copy"]
     mode = "overwrite" if record["config"]["overwrite"] else "accumulate"
     lines = [
-        (f"accumkernels.bench: {record['device_name']} ({record['device']}), torch "
+        (f"accumbench: {record['device_name']} ({record['device']}), torch "
          f"{record['torch']}, triton {record['triton']}, {record['torch_threads']} threads, "
          f"{mode}, scale {record['config']['scale']}"),
         (f"copy_ fp32 {format_count(copy['numel'])} elements: {copy['median_ms']:.3f} ms, "

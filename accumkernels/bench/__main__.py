@@ -1,5 +1,0 @@
-"""``python -m accumkernels.bench``: see cli.py or ``--help``."""
-
-from .cli import main
-
-raise SystemExit(main())
