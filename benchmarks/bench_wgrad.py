@@ -15,11 +15,14 @@ tokens per micro-batch on GPU. Each provider runs windows of N micro-batches (fo
 Reported per provider: ms per micro-batch (median over windows) and its overhead vs native;
 peak memory above the model and inputs (GPU; the wrapper's fp32 buffer, 4 B/param, is included)
 and the difference to native in bytes per param (fused should be ~2 B/param below unfused: no
-bf16 weight gradient); and, from one extra instrumented window, the share of the micro-batch
-spent in the bucketed accumulate launches (``accumulate_share``) and, for ``fused``, in the fused
-weight-gradient GEMMs including their finiteness check (``wgrad_gemm_share``; this GEMM replaces
-autograd's own weight-gradient GEMM, so it is not all extra work). Results go to
-benchmarks/results/ as JSON (``wgrad-<device-slug>-<date>[-quick].json``).
+bf16 weight gradient); and, from one extra window run under ``torch.profiler`` (device time on
+GPU, CPU time on CPU), the share of the micro-batch spent in the wrapper's grad-ready work, its
+bucketed accumulate launches included (``accumulate_share``: ranges that torch hooks on each
+param open and close around the wrapper's hooks) and, for ``fused``, in the fused
+weight-gradient writes, GEMM and finiteness check included (``wgrad_gemm_share``: wgrad's
+``accumkernels::wgrad_gemm`` range; this GEMM replaces autograd's own weight-gradient GEMM, so
+it is not all extra work). Public API only: neither the wrapper nor wgrad is patched. Results
+go to benchmarks/results/ as JSON (``wgrad-<device-slug>-<date>[-quick].json``).
 """
 
 from __future__ import annotations
@@ -47,42 +50,64 @@ def make_model(width: int, blocks: int, device: torch.device) -> torch.nn.Module
     return mlp_stack(width, blocks, device)
 
 
-class _Timer:
-    """Sums the time spent in wrapped calls: CUDA events (no sync per call) or perf_counter."""
+ACCUMULATE_RANGE = "bench_wgrad::grad_ready"  # the wrapper's per-param grad-ready work
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.events: list = []
-        self.cpu_s = 0.0
 
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = fn(*args, **kwargs)
-                end.record()
-                self.events.append((start, end))
-                return out
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self.cpu_s += time.perf_counter() - t0
-            return out
-        return timed
+class _GradReadyRanges:
+    """Profiler ranges around each param's gradient arrival, hooks included: opened by a tensor
+    hook (autograd runs those before accumulating into .grad), closed by a post-accumulate-grad
+    hook registered after the wrapper's, so the range holds the wrapper's bookkeeping and its
+    bucketed accumulate launches. Public torch hooks only; installed for one window."""
 
-    def total_ms(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return sum(s.elapsed_time(e) for s, e in self.events)
-        return self.cpu_s * 1e3
+    def __init__(self, params):
+        self._open: dict[int, torch.profiler.record_function] = {}
+        self._handles = []
+        for p in params:
+            self._handles.append(p.register_hook(lambda g, p=p: self._enter(p)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._exit))
+
+    def _enter(self, p) -> None:
+        r = torch.profiler.record_function(ACCUMULATE_RANGE)
+        r.__enter__()
+        self._open[id(p)] = r
+
+    def _exit(self, p) -> None:
+        r = self._open.pop(id(p), None)
+        if r is not None:
+            r.__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _profiled_ms(events, name: str, cuda: bool) -> float:
+    """Total time in the outermost profiler events called ``name``: device time on CUDA (the
+    kernels launched inside), else CPU time; in ms."""
+    total_us = 0.0
+    for e in events:
+        if e.name != name or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and parent.name != name:
+            parent = parent.cpu_parent
+        if parent is None:
+            device_us = getattr(e, "device_time_total", None)
+            if device_us is None:  # older torch
+                device_us = e.cuda_time_total
+            total_us += device_us if cuda else e.cpu_time_total
+    return total_us / 1e3
 
 
 class Native:
+    labels: dict[str, str] = {}  # share name -> profiler event to sum
+
     def __init__(self, model, device):
         self.model = model
 
-    def instrument(self, device):
-        return {}
+    def instrument(self):
+        """Hooks for the profiled window; returns what to remove afterwards (or None)."""
+        return None
 
     def end_window(self):
         self.model.zero_grad(set_to_none=True)
@@ -93,6 +118,7 @@ class Native:
 
 class Unfused(Native):
     fuse = False
+    labels = {"accumulate": ACCUMULATE_RANGE}
 
     def __init__(self, model, device):
         super().__init__(model, device)
@@ -100,24 +126,13 @@ class Unfused(Native):
         self.opt = accumkernels.AccumulatingOptimizer(inner, master_weights=False)
         self.handle = wgrad.fuse_wgrad_accumulation(model, self.opt) if self.fuse else None
 
-    def instrument(self, device):
-        timers = {"accumulate": _Timer(device)}
-        self.opt._buffer.accumulate = timers["accumulate"].wrap(self.opt._buffer.accumulate)
-        if self.fuse:
-            timers["wgrad_gemm"] = t = _Timer(device)
-            self._saved = (dict(wgrad._GEMMS), wgrad._flag_nonfinite)
-            for name, fn in self._saved[0].items():
-                wgrad._GEMMS[name] = t.wrap(fn)
-            wgrad._flag_nonfinite = t.wrap(self._saved[1])
-        return timers
+    def instrument(self):
+        return _GradReadyRanges(self.model.parameters())
 
     def end_window(self):
         self.opt.reset_window()
 
     def close(self):
-        if self.fuse and hasattr(self, "_saved"):
-            wgrad._GEMMS.update(self._saved[0])
-            wgrad._flag_nonfinite = self._saved[1]
         if self.handle is not None:
             self.handle.remove()
         self.opt.remove_hooks()
@@ -125,6 +140,7 @@ class Unfused(Native):
 
 class Fused(Unfused):
     fuse = True
+    labels = {**Unfused.labels, "wgrad_gemm": wgrad.PROFILE_LABEL}
 
 
 def _window(model, inputs, sync):
@@ -156,10 +172,18 @@ def run_provider(name, base_model, inputs, windows, device) -> dict:
         times.append(_window(model, inputs, sync))
         state.end_window()
     peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
-    # One more window with timers around the accumulation calls (their events cost a little).
-    timers = state.instrument(device)
-    window_ms = _window(model, inputs, sync)
-    shares = {f"{k}_share": t.total_ms() / len(inputs) / window_ms for k, t in timers.items()}
+    # One more window under torch.profiler: the share of the micro-batch spent in the wrapper's
+    # accumulate launches and in the fused writes (the profiler slows the window a little).
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    hooks = state.instrument()
+    with torch.profiler.profile(activities=activities) as prof:
+        window_ms = _window(model, inputs, sync)
+    if hooks is not None:
+        hooks.remove()
+    events = prof.events()
+    shares = {f"{k}_share": _profiled_ms(events, label, cuda) / len(inputs) / window_ms
+              for k, label in state.labels.items()}
     state.end_window()
     gemms = state.handle.gemm_backends if getattr(state, "handle", None) else None
     state.close()
@@ -258,8 +282,6 @@ def test_bench_wgrad_quick(tmp_path):
     assert rows["fused"]["wgrad_gemm_share"] > 0
     assert rows["unfused"]["accumulate_share"] > 0 and rows["unfused"]["wgrad_gemm_share"] is None
     assert record["environment"]["torch"] == torch.__version__
-    # The timing wrappers were taken off again.
-    assert wgrad._GEMMS["fp32"] is wgrad._gemm_fp32
 
 
 if __name__ == "__main__":

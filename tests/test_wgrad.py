@@ -8,9 +8,11 @@ PyTorch) run on a deep copy of the model with the same data.
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import os
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from accumkernels import AccumulatingOptimizer, wgrad
-from accumkernels.wgrad import fuse_wgrad_accumulation
+from accumkernels.slot import SLOT_ATTR, SlotWrite
+from accumkernels.wgrad import fuse_wgrad_accumulation, gemms
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [pytest.param("cpu", id="cpu"),
@@ -123,6 +126,93 @@ def test_wrapper_tolerates_a_param_whose_gradient_is_undefined():
     assert w.grad is None and b.grad is not None  # the boundary shows what was accumulated
     assert torch.count_nonzero(w.main_grad) == 0
     opt.step()
+
+
+# -- the slot protocol is all it needs ------------------------------------------------------------
+
+class _Owner:
+    """A minimal owner of gradient slots (accumkernels.slot) with its own fp32 window, no
+    AccumulatingOptimizer involved. Windows start as NaN: a missed first-write overwrite shows."""
+
+    def __init__(self, params, scale=0.5, fusable=True):
+        self.param_groups = [{"params": list(params)}]
+        self.views = {id(p): torch.full(p.shape, float("nan")) for p in params}
+        self.scale, self.fusable = scale, fusable
+        self.touched, self.claims = set(), []
+        self.found_inf = torch.zeros(1)
+        slot = _OwnerSlot(self)
+        for p in params:
+            setattr(p, SLOT_ATTR, slot)
+
+    def view(self, p):
+        return self.views[id(p)]
+
+
+class _OwnerSlot:
+    def __init__(self, owner):
+        self._owner = weakref.ref(owner)
+
+    @property
+    def owner(self):
+        return self._owner()
+
+    def check_fusable(self):
+        if not self.owner.fusable:
+            raise ValueError("this owner takes no fused writes")
+
+    def claim(self, p):
+        owner = self.owner
+        owner.claims.append(p)
+        overwrite = id(p) not in owner.touched
+        owner.touched.add(id(p))
+        return SlotWrite(owner.views[id(p)], owner.scale, overwrite, owner.found_inf)
+
+
+def test_any_slot_owner_gets_the_fused_writes():
+    """The protocol alone: eligibility is "the weight's slot is the optimizer's", the write is
+    view = (0 if overwrite else view) + scale * dy^T x in fp32, and found_inf is set on a
+    non-finite gradient. The bias (owned too) takes the usual path: its .grad."""
+    lin = nn.Linear(6, 4)
+    owner = _Owner([lin.weight, lin.bias], scale=0.5)
+    handle = fuse_wgrad_accumulation(lin, owner)
+    assert handle.layer_names == [""]
+    rec, _ = capture(nn.Sequential(lin))
+    for _ in range(2):
+        lin(torch.randn(3, 6)).square().sum().backward()
+    expected = 0.5 * reference_wgrads(rec)["0"]
+    torch.testing.assert_close(owner.view(lin.weight).double(), expected, rtol=1e-6, atol=1e-7)
+    assert owner.claims == [lin.weight, lin.weight]
+    assert lin.weight.grad is None and lin.bias.grad is not None
+    assert torch.count_nonzero(torch.isnan(owner.view(lin.bias))) == lin.bias.numel()
+    assert owner.found_inf.item() == 0
+    x = torch.randn(3, 6)
+    x[1, 2] = float("inf")
+    with torch.no_grad():
+        lin.weight[:, 2] = 0  # the output stays finite; the weight gradient does not
+    lin(x).sum().backward()
+    assert owner.found_inf.item() == 1.0
+
+
+def test_owner_checks_and_plain_path_once_the_slot_is_not_the_optimizers():
+    lin = nn.Linear(6, 4)
+    with pytest.raises(ValueError, match="no fused writes"):
+        fuse_wgrad_accumulation(lin, _Owner([lin.weight], fusable=False))
+    with pytest.raises(TypeError, match="AccumulatingOptimizer"):  # owns no slot
+        fuse_wgrad_accumulation(lin, torch.optim.SGD(lin.parameters(), lr=0.1))
+    owner = _Owner([lin.weight])
+    fuse_wgrad_accumulation(lin, owner)
+    thief = _Owner([lin.weight])  # another owner takes the weight over
+    lin(torch.randn(3, 6)).sum().backward()
+    assert lin.weight.grad is not None  # the usual path
+    assert owner.claims == [] and thief.claims == []
+    lin.weight.grad = None
+    setattr(lin.weight, SLOT_ATTR, _OwnerSlot(owner))  # back to the fused-for owner
+    lin(torch.randn(3, 6)).sum().backward()
+    assert lin.weight.grad is None and owner.claims == [lin.weight]
+    del owner
+    gc.collect()  # the optimizer is gone: wgrad held it weakly, and writes nowhere
+    lin(torch.randn(3, 6)).sum().backward()
+    assert lin.weight.grad is not None
 
 
 # -- precision ------------------------------------------------------------------------------------
@@ -358,9 +448,10 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="not usable"):  # cuBLAS-only paths on a CPU model
         fuse_wgrad_accumulation(bf16, wrap(bf16), backend="addmm_out_dtype")
     assert all("forward" not in m.__dict__ for _, m in linears(bf16))  # nothing patched
-    skip_mb = wrap(model, nonfinite="skip_microbatch")
+    other = make_mlp()  # (wrapping model's params again would take them over from opt)
     with pytest.raises(ValueError, match="skip_microbatch"):
-        fuse_wgrad_accumulation(model, skip_mb)
+        fuse_wgrad_accumulation(other, wrap(other, nonfinite="skip_microbatch"))
+    assert all("forward" not in m.__dict__ for _, m in linears(other))
     handle = fuse_wgrad_accumulation(model, opt)
     with pytest.raises(RuntimeError, match="already fused"):
         fuse_wgrad_accumulation(model, opt)
@@ -566,13 +657,13 @@ def _gemm_params():
 @pytest.mark.parametrize("device,name", _gemm_params())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gemm_implementations(device, name, dtype):
-    if not wgrad._supported(name, torch.device(device), dtype):
+    if not gemms.supported(name, torch.device(device), dtype):
         if name == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
         if name in ("addmm_out_dtype", "mm_out_dtype"):  # depends on the torch version
             pytest.skip(f"torch {torch.__version__}: {name} fails its probe here (auto falls back)")
         pytest.fail(f"{name} not usable for {dtype} on {device}")
-    gemm = wgrad._GEMMS[name]
+    gemm = gemms.GEMMS[name]
     for k, m, n in [(37, 20, 12), (0, 5, 3), (1, 1, 1), (70, 65, 33)]:
         dy = torch.randn(k, m, device=device).to(dtype)
         x = torch.randn(k, n, device=device).to(dtype)
@@ -585,7 +676,7 @@ def test_gemm_implementations(device, name, dtype):
         found_inf = torch.zeros(1, device=device)
         flagged = gemm(c, dy, x, 0.25, False, found_inf)
         if not flagged:
-            wgrad._flag_nonfinite(c, found_inf)
+            gemms.flag_nonfinite(c, found_inf)
         assert ((c.double() - (c0.double() + 0.25 * prod)).abs() <= bound).all()
         c.fill_(float("nan"))
         gemm(c, dy, x, 0.25, True, None)
@@ -597,7 +688,7 @@ def test_gemm_implementations(device, name, dtype):
     c = torch.zeros(4, 5, device=device)
     found_inf = torch.zeros(1, device=device)
     if not gemm(c, dy, torch.randn(8, 5, device=device).to(dtype), 1.0, False, found_inf):
-        wgrad._flag_nonfinite(c, found_inf)
+        gemms.flag_nonfinite(c, found_inf)
     assert found_inf.item() == 1.0
 
 
