@@ -241,7 +241,7 @@ def _counts(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.device]:
+def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.accumbench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
@@ -289,7 +289,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
                         "(default: torch's). On a shared machine, 1 keeps torch's per-op "
                         "thread wake-ups from inflating the baselines")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Normalise aliases and reject out-of-range values (p.error exits)."""
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
 
@@ -309,8 +313,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         p.error("--llama-dim-divisor must be at least 1")
     if args.overhead_tensors < 1 or args.overhead_numel < 1:
         p.error("--overhead-tensors and --overhead-numel must be at least 1")
+
+
+def _pick_device(p: argparse.ArgumentParser, name: str | None) -> torch.device:
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as exc:
         p.error(str(exc))
     if device.type == "cuda":
@@ -321,6 +328,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         p.error(f"--device {device}: only cuda and cpu are supported")
+    return device
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.device]:
+    p = _build_parser()
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    device = _pick_device(p, args.device)
     gpu = device.type == "cuda"
     if args.flat_numel is None:
         args.flat_numel = ([QUICK_FLAT_NUMEL] if args.quick
