@@ -25,7 +25,6 @@ class WindowTotals:
 
     def __init__(self, values: list[float], world: int, num_params: int):
         self.world = world
-        self.micro_steps = int(values[0] / world)
         self.kept = int(values[2])
         self.weight = values[3]
         self.found_inf = values[4] > 0

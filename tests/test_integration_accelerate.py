@@ -1,20 +1,17 @@
 """Accelerate's gradient-accumulation loop with AccumulatingOptimizer.
 
-What Accelerate (1.x) does, and why the wrapper uses ``accumulation_steps=N, reduction="sum"``:
+What Accelerate (1.x) does, and why the recipe is ``accumulation_steps=None, reduction="sum"``:
 
 * ``accelerator.backward(loss)`` divides the loss by ``gradient_accumulation_steps`` itself, so
   the native fp32 ``.grad`` holds the mean of the N micro-batch losses' gradients: the wrapper
   must only sum, i.e. ``reduction="sum"``.
 * ``accelerator.prepare(opt)`` wraps the optimizer in ``AcceleratedOptimizer``, whose ``step()``
   and ``zero_grad()`` only reach the wrapped optimizer when ``sync_gradients`` is set (it
-  round-trips ``state_dict()``/``load_state_dict()`` once for device placement, too). The user's
-  ``step()``/``zero_grad()`` every micro-batch are therefore Trainer-style boundary calls by the
-  time they reach the wrapper.
+  round-trips ``state_dict()``/``load_state_dict()`` once for device placement, too). So every
+  ``step()`` the wrapper receives ends a window, the short one at the end of the dataloader
+  included: ``accumulation_steps=None``. The wrapper reads none of Accelerate's state.
 * ``accelerator.clip_grad_norm_(model.parameters(), ...)`` runs on the sync micro-batch before
-  ``step()``, so the window must be in ``p.grad`` at the end of that micro-batch's backward. With
-  ``accumulation_steps=N`` the wrapper knows where full windows end; a short window at the end of
-  the dataloader (and any window, with ``accumulation_steps=None``) ends where Accelerate's
-  ``GradientState.sync_gradients`` says.
+  ``step()``; ``p.grad`` is the running fp32 window after every backward, so it sees the window.
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ MICRO_BATCH = 2
 
 
 def train_with_accelerate(model, samples, *, wrap: bool, epochs: int = 1,
-                          accumulation_steps: int | None = N_ACCUM):
+                          accumulation_steps: int | None = None):
     """The loop from Accelerate's gradient-accumulation guide. Returns (clip norms, optimizer)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState

@@ -1,18 +1,17 @@
 """Lightning (2.x) automatic optimization with AccumulatingOptimizer from configure_optimizers.
 
-What Lightning does with ``accumulate_grad_batches=N``, and why the wrapper uses
-``accumulation_steps=N, reduction="sum"``:
+What Lightning does with ``accumulate_grad_batches=N``, and why the recipe is
+``accumulation_steps=None, reduction="sum"``:
 
 * The training-step closure divides the loss by N before ``backward``: native fp32 ``.grad``
   holds the mean over the window, the wrapper must only sum (``reduction="sum"``).
 * On the first N-1 micro-batches Lightning runs the closure (forward + backward) itself and
   never calls ``step()``; on the N-th it calls ``optimizer.step(closure)``, and the closure runs
   the last forward/backward, then ``on_before_optimizer_step`` and gradient clipping
-  (``gradient_clip_val``), all *inside* the wrapper's ``step()``. The window must be in
-  ``p.grad`` at the end of that backward, for the hooks and the clip: with
-  ``accumulation_steps=N`` the wrapper knows where full windows end; a short window at the end
-  of an epoch (and any window, with ``accumulation_steps=None``) ends with the backward inside
-  a Lightning ``step(closure)``, which the wrapper recognises as a window end.
+  (``gradient_clip_val``), all *inside* the wrapper's ``step()``. ``p.grad`` is the running
+  fp32 window after every backward, so the hooks and the clip see it; the step after the
+  closure ends the window (``accumulation_steps=None``: every ``step()`` does, the short one at
+  the end of an epoch included). The wrapper does not look at where a closure comes from.
 * Lightning clips the parameters of ``optimizer.param_groups`` (its precision plugin's
   ``main_params``), not ``model.parameters()``: with master weights those are the fp32 masters.
 """
@@ -43,7 +42,7 @@ MICRO_BATCH = 2
 
 
 class GPT2Module(L.LightningModule):
-    def __init__(self, model, *, wrap: bool, accumulation_steps: int | None = N_ACCUM):
+    def __init__(self, model, *, wrap: bool, accumulation_steps: int | None = None):
         super().__init__()
         self.model = model
         self.wrap = wrap
@@ -72,7 +71,7 @@ class GPT2Module(L.LightningModule):
 
 def train_with_lightning(model, samples, *, wrap: bool, max_steps: int = -1, epochs: int = 1,
                          clip_val: float | None = MAX_GRAD_NORM, clip_algorithm: str = "norm",
-                         accumulation_steps: int | None = N_ACCUM) -> GPT2Module:
+                         accumulation_steps: int | None = None) -> GPT2Module:
     module = GPT2Module(model, wrap=wrap, accumulation_steps=accumulation_steps)
     trainer = L.Trainer(
         accumulate_grad_batches=N_ACCUM, accelerator="cpu", devices=1, max_steps=max_steps,

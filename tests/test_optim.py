@@ -314,12 +314,10 @@ def run_loop(model, opt, data, zero_grad=None, per_microbatch_step=False, in_bac
             opt.accumulate()
         if per_microbatch_step:
             opt.step()
-        if zero_grad is not None:
-            opt.zero_grad(set_to_none=zero_grad)
         if opt.sync_step and not per_microbatch_step:
-            if zero_grad is not None:
-                opt.zero_grad(set_to_none=zero_grad)  # at the boundary too: the window survives
             opt.step()
+        if zero_grad is not None:  # mid-window with N: the window survives
+            opt.zero_grad(set_to_none=zero_grad)
 
 
 @pytest.mark.parametrize("in_backward", [True, False], ids=["hooks", "accumulate"])

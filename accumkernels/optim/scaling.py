@@ -8,6 +8,11 @@ import torch
 
 __all__ = ["LossScaler"]
 
+# The scale stays a positive, finite fp32 number however long overflow lasts (GradScaler keeps
+# skipping instead of writing): between the smallest normal and the largest power of two.
+_MIN_SCALE = 2.0**-126
+_MAX_SCALE = 2.0**127
+
 
 class LossScaler:
     """Holds the loss scale S. The wrapper multiplies losses by S and fuses 1/S into accumulation.
@@ -24,11 +29,7 @@ class LossScaler:
             self.scale = float(init_scale)
         elif loss_scale is None:
             self.scale = 1.0
-        elif isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
-            raise TypeError(f"loss_scale must be None, a float or 'dynamic', got {loss_scale!r}")
-        elif not (math.isfinite(loss_scale) and loss_scale > 0):
-            raise ValueError(f"loss_scale must be a finite positive number, got {loss_scale}")
-        else:
+        else:  # checked by optim.config
             self.scale = float(loss_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -43,19 +44,34 @@ class LossScaler:
         if not self.dynamic:
             return
         if found_inf:
-            self.scale *= self.backoff_factor
+            self.scale = max(self.scale * self.backoff_factor, _MIN_SCALE)
             self.growth_tracker = 0
             return
         self.growth_tracker += 1
         if self.growth_tracker >= self.growth_interval:
-            self.scale *= self.growth_factor
+            self.scale = min(self.scale * self.growth_factor, _MAX_SCALE)
             self.growth_tracker = 0
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "growth_tracker": self.growth_tracker, "dynamic": self.dynamic}
 
+    def parse(self, state: object) -> dict:
+        """Check a saved scaler state (ValueError) before anything is changed."""
+        try:
+            dynamic, scale = bool(state["dynamic"]), float(state["scale"])
+            tracker = int(state["growth_tracker"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"load_state_dict: malformed loss-scale state ({exc})") from None
+        if dynamic != self.dynamic:
+            raise ValueError("load_state_dict: the loss-scale state is for a different mode "
+                             "(static vs dynamic)")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"load_state_dict: saved loss scale {scale} is not finite and positive")
+        return {"scale": scale, "growth_tracker": tracker}
+
+    def load(self, parsed: dict) -> None:
+        self.scale = parsed["scale"]
+        self.growth_tracker = parsed["growth_tracker"]
+
     def load_state_dict(self, state: dict) -> None:
-        if bool(state["dynamic"]) != self.dynamic:
-            raise ValueError("loss_scale state is for a different mode (static vs dynamic)")
-        self.scale = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
+        self.load(self.parse(state))

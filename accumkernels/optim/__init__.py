@@ -1,0 +1,5 @@
+"""The optimizer wrapper, split into rooms (see optimizer.py for how they fit together)."""
+
+from accumkernels.optim.optimizer import AccumulatingOptimizer
+
+__all__ = ["AccumulatingOptimizer"]

@@ -1,0 +1,297 @@
+"""Intake: moves each backward's gradients into the fp32 window and shows the window as ``p.grad``.
+
+Between backwards every managed param's ``p.grad`` is its fp32 view of the master buffer (for
+bf16/fp16 params ``grad_dtype`` is None, so an fp32 ``.grad`` may sit on them). During a
+backward (``accumulate_in_backward=True``):
+
+1. a tensor pre-hook sees p's incoming gradient first and hides the view (``p.grad = None``),
+   so autograd's AccumulateGrad stores the new low-precision gradient instead of adding it
+   into the view param by param;
+2. a post-accumulate-grad hook collects it; when all params of a bucket are in, the bucket is
+   moved with one fused launch and the low-precision ``.grad`` tensors are released;
+3. at the end of the outermost backward (an autograd final callback, run after every other
+   final callback) the rest is moved, the views are shown again, and the micro-batch counted.
+
+A backward counts as a micro-batch only if some AccumulateGrad (or fused weight-gradient
+write) ran in it: ``torch.autograd.grad`` fires the pre-hooks but never the post hooks, so it
+leaves the window alone. A backward nested in another one (reentrant checkpointing) is part of
+the outer one: its final callback defers to the node that is running it. A backward that raised
+leaves its final callback uncalled; the next event notices and closes that micro-batch with
+the gradients it produced ("fully in", as native PyTorch keeps them in ``.grad``).
+
+With ``accumulate_in_backward=False`` the views are hidden the same way, but the new gradients
+stay in ``.grad`` (in the param dtype, summed by autograd over backwards) until
+``accumulate()`` or ``step()`` moves them (:meth:`Intake.move_unmoved`) and shows the window.
+Hooks hold the intake weakly and are removed when the wrapper is collected.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from accumkernels._util import LOW_PRECISION
+from accumkernels.buffer import Bucket, MasterGradBuffer
+from accumkernels.slot import SlotWrite
+
+_engine = torch.autograd.Variable._execution_engine
+_HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
+
+
+class _EndOfBackward:
+    """The final callback of one backward; holds the intake weakly."""
+
+    def __init__(self, intake: Intake):
+        self.intake = weakref.ref(intake)
+        self.requeued = False
+
+    def __call__(self) -> None:
+        intake = self.intake()
+        if intake is None:
+            return
+        node = torch._C._current_autograd_node()
+        if node is not None:  # nested in a running backward: the outer one ends the micro-batch
+            intake._defer_to(node)
+            return
+        if not self.requeued:  # run once more, after the other final callbacks (e.g. DDP's)
+            self.requeued = True
+            _engine.queue_callback(self)
+            return
+        intake._end_backward()
+
+
+def _remove_handles(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+class Intake:
+    """Hooks, pending gradients and fused launches for one wrapper (see the module docstring)."""
+
+    def __init__(self, owner, params: list[torch.Tensor], buffer: MasterGradBuffer, *,
+                 move_in_backward: bool):
+        self._owner = weakref.ref(owner)
+        self.params = params
+        self.buffer = buffer
+        self.views = [buffer.view(p) for p in params]
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self.move_in_backward = move_in_backward
+        self.pending: dict[int, dict[int, torch.Tensor]] = {}  # bucket index -> {id: param}
+        self._active = False  # inside a backward that touched our params
+        self._deferred = False  # ... waiting for the outer backward to end
+        self._got_grad = False  # an AccumulateGrad (or fused write) ran in it
+        self._end_ref = None  # weakref to the active backward's final callback
+        self.unmoved = 0  # backwards whose gradients still sit in .grad (not moved in backward)
+        self.handles: list = []
+        me = weakref.ref(self)
+        for i, p in enumerate(params):
+            if _HAS_GRAD_DTYPE and p.dtype in LOW_PRECISION:
+                p.grad = None
+                p.grad_dtype = None  # any dtype may sit in .grad: the fp32 view, or bf16 grads
+            self.handles.append(p.register_hook(_pre_hook(me, i)))
+            self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
+        self._finalizer = weakref.finalize(owner, _remove_handles, self.handles)
+
+    def remove(self) -> None:
+        """Detach from the params (idempotent)."""
+        self._finalizer()
+
+    # -- backward tracking ---------------------------------------------------------------------
+    def _begin(self) -> None:
+        self.settle()
+        if not self._active:
+            self._active, self._got_grad, self._deferred = True, False, False
+            end = _EndOfBackward(self)
+            self._end_ref = weakref.ref(end)
+            _engine.queue_callback(end)
+
+    def settle(self) -> None:
+        """Close a backward that raised (its final callback was dropped without running)."""
+        if self._active and not self._deferred and self._end_ref() is None:
+            self._end_backward()
+
+    def _defer_to(self, node) -> None:
+        self._deferred = True
+
+        def outer_continues(*_):
+            self._deferred = False
+            end = _EndOfBackward(self)
+            self._end_ref = weakref.ref(end)
+            _engine.queue_callback(end)
+
+        node.register_hook(outer_continues)
+
+    def before_grad(self, i: int) -> None:
+        self._begin()
+        p = self.params[i]
+        g = p.grad
+        if g is None:
+            return
+        if g is not self.views[i]:
+            if not self.move_in_backward:
+                return  # unmoved gradients of earlier backwards: autograd adds to them
+            pend = self.pending.get(self.buffer.bucket_of(p).index)
+            if pend is not None and id(p) in pend:
+                return  # a second gradient for p in this backward: autograd adds it
+            self._absorb(p, g)
+        p.grad = None
+
+    def after_grad(self, i: int) -> None:
+        self._begin()
+        self._got_grad = True
+        if not self.move_in_backward:
+            return
+        p = self.params[i]
+        if p.grad is None:  # undefined gradient (a Function returned None, or a fused write)
+            return
+        bucket = self.buffer.bucket_of(p)
+        pend = self.pending.setdefault(bucket.index, {})
+        pend[id(p)] = p
+        owner = self._owner()
+        if owner is None or owner._nonfinite.per_microbatch:
+            return  # checked, then moved, at the end of the backward
+        if len(pend) == len(bucket.params):
+            del self.pending[bucket.index]
+            self.launch(bucket, list(pend.values()))
+
+    def _end_backward(self) -> None:
+        self._active, self._deferred, self._end_ref = False, False, None
+        owner = self._owner()
+        pending, self.pending = self.pending, {}
+        if owner is None:
+            return
+        kept = True
+        if pending:
+            params = [p for pend in pending.values() for p in pend.values() if p.grad is not None]
+            if owner._nonfinite.per_microbatch:
+                kept = owner._nonfinite.all_finite([p.grad for p in params])
+            for index, pend in pending.items():
+                if kept:
+                    self.launch(self.buffer.buckets[index], list(pend.values()))
+                else:
+                    for p in pend.values():
+                        p.grad = None
+        if not self._got_grad:
+            pass
+        elif self.move_in_backward:
+            owner._microbatch_ended(kept)
+        else:
+            self.unmoved += 1  # counted when moved: the non-finite check sees its gradients
+            if owner.config.accumulation_steps is not None and owner.sync_step:
+                self.move_unmoved()  # the N-th backward: .grad shows the complete window
+        if self.move_in_backward:
+            self.expose()
+
+    def claim(self, p: torch.Tensor) -> SlotWrite:
+        """A fused kernel writes p's gradient of this backward straight into the window."""
+        owner = self._owner()
+        self._begin()
+        self._got_grad = True
+        touched = owner._window.touched
+        overwrite = id(p) not in touched
+        touched.add(id(p))
+        return SlotWrite(self.buffer.view(p), owner._prescale(), overwrite,
+                         owner._nonfinite.launch_flag())
+
+    # -- moving gradients ----------------------------------------------------------------------
+    def launch(self, bucket: Bucket, params: list[torch.Tensor]) -> None:
+        """Move the ``.grad`` of ``params`` (of one bucket) into the window, then release it."""
+        owner = self._owner()
+        params = [p for p in params if p.grad is not None]
+        if owner is None or not params:
+            return
+        touched = owner._window.touched
+        fresh = [p for p in params if id(p) not in touched]
+        again = [p for p in params if id(p) in touched] if len(fresh) < len(params) else []
+        for group, overwrite in ((fresh, True), (again, False)):
+            if group:  # normally all of a bucket is fresh, or none: one launch
+                self.buffer.accumulate(group, [p.grad for p in group], owner._prescale(),
+                                       overwrite=overwrite,
+                                       found_inf=owner._nonfinite.launch_flag(),
+                                       backend=owner.config.backend)
+        for p in params:
+            p.grad = None
+            touched.add(id(p))
+        owner._bucket_moved(bucket)
+
+    def move_unmoved(self) -> None:
+        """Move every ``.grad`` that is not the param's view (accumulate_in_backward=False)."""
+        self.settle()
+        by_bucket: dict[int, list[torch.Tensor]] = {}
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is not None and g is not view:
+                by_bucket.setdefault(self.buffer.bucket_of(p).index, []).append(p)
+        owner = self._owner()
+        kept = True
+        if owner._nonfinite.per_microbatch:
+            kept = owner._nonfinite.all_finite(
+                [p.grad for params in by_bucket.values() for p in params])
+        for index, params in by_bucket.items():
+            if kept:
+                self.launch(self.buffer.buckets[index], params)
+            else:
+                for p in params:
+                    p.grad = None
+        count, self.unmoved = self.unmoved, 0
+        if by_bucket and not count:
+            count = 1  # gradients set without a backward this wrapper saw: one micro-batch
+        for _ in range(count):
+            owner._microbatch_ended(kept)
+        self.expose()
+
+    def absorb_assigned(self) -> None:
+        """A ``.grad`` the user assigned (not the view) is what p's gradient means now."""
+        self.settle()
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is not None and g is not view:
+                self._absorb(p, g)
+                p.grad = view
+
+    def _absorb(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        with torch.no_grad():  # same units as the view it replaced
+            self.buffer.view(p).copy_(g)
+        self._owner()._window.touched.add(id(p))
+
+    # -- what p.grad shows ---------------------------------------------------------------------
+    def expose(self) -> None:
+        """Show the window: ``p.grad`` (and its master's) is p's fp32 view; None if untouched."""
+        owner = self._owner()
+        touched = owner._window.touched
+        show_lowp = _HAS_GRAD_DTYPE
+        for p, view in zip(self.params, self.views):
+            if id(p) not in touched:
+                continue
+            master = owner._masters.get(p)
+            if master is not None and master.grad is not view:
+                master.grad = view
+            if p.grad is not view and (show_lowp or p.dtype not in LOW_PRECISION):
+                p.grad = view
+
+    def hide_all(self) -> None:
+        """``.grad`` None on every param and master (the window itself is untouched)."""
+        owner = self._owner()
+        for p in self.params:
+            p.grad = None
+            master = owner._masters.get(p)
+            if master is not None:
+                master.grad = None
+
+
+def _pre_hook(intake_ref, i: int):
+    def hook(grad):
+        intake = intake_ref()
+        if intake is not None:
+            intake.before_grad(i)
+    return hook
+
+
+def _post_hook(intake_ref, i: int):
+    def hook(param):
+        intake = intake_ref()
+        if intake is not None:
+            intake.after_grad(i)
+    return hook

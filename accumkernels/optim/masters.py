@@ -1,0 +1,82 @@
+"""fp32 master weights for bf16/fp16 params: the inner optimizer steps these, the model gets a copy.
+
+The model's low-precision weights are what the user sees and may change behind the
+optimizer's back (``model.load_state_dict`` after wrapping, ``p.data.clamp_()``, a re-init).
+Such a change is never reverted: before each step, every master whose model weight no longer
+equals the master rounded to the model dtype is re-synced from the model weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accumkernels._util import LOW_PRECISION
+
+
+class MasterWeights:
+    """The fp32 copies (by ``id`` of the model param), the inner optimizer's state remap, copy-back."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, enabled: bool):
+        self.optimizer = optimizer
+        self.enabled = enabled
+        self.masters: dict[int, torch.nn.Parameter] = {}
+        self.model_params: list[torch.Tensor] = []  # in registration order, those with masters
+
+    def retarget(self, params: list[torch.Tensor]) -> None:
+        """Point the inner optimizer at fp32 copies of the low-precision ``params``; remap state."""
+        if not self.enabled:
+            return
+        wanted = {id(p) for p in params if p.dtype in LOW_PRECISION and id(p) not in self.masters}
+        if wanted:
+            self.optimizer._accumkernels_masters = True
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            new_params = []
+            for p in group["params"]:
+                if id(p) in wanted:
+                    master = torch.nn.Parameter(p.detach().float().clone())
+                    self.masters[id(p)] = master
+                    self.model_params.append(p)
+                    if p in state:
+                        state[master] = {
+                            k: v.float() if torch.is_tensor(v) and v.dtype in LOW_PRECISION else v
+                            for k, v in state.pop(p).items()
+                        }
+                    p = master
+                new_params.append(p)
+            group["params"] = new_params
+
+    def get(self, p: torch.Tensor) -> torch.nn.Parameter | None:
+        return self.masters.get(id(p))
+
+    def master_list(self) -> list[torch.nn.Parameter]:
+        return [self.masters[id(p)] for p in self.model_params]
+
+    @torch.no_grad()
+    def resync_changed(self) -> None:
+        """Take the model's weight wherever it differs from the rounded master (changed outside)."""
+        for p in self.model_params:
+            m = self.masters[id(p)]
+            changed = p.ne(m.to(p.dtype))
+            m.copy_(torch.where(changed, p.float(), m))
+
+    @torch.no_grad()
+    def copy_back(self) -> None:
+        if self.model_params:
+            torch._foreach_copy_(self.model_params, self.master_list())
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return self.master_list()
+
+    def parse(self, saved: object) -> list[torch.Tensor]:
+        mine = self.master_list()
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(mine) or any(
+                not isinstance(t, torch.Tensor) or t.shape != m.shape for t, m in zip(saved, mine)):
+            raise ValueError("load_state_dict: master_weights do not match this optimizer's params")
+        return [t.detach().clone() for t in saved]
+
+    @torch.no_grad()
+    def load(self, parsed: list[torch.Tensor]) -> None:
+        for m, t in zip(self.master_list(), parsed):
+            m.copy_(t)
+        self.copy_back()

@@ -1,0 +1,364 @@
+"""AccumulatingOptimizer: the face. It composes the rooms and decides when a window ends.
+
+Rooms: ``config`` (arguments), ``window`` (counts and normalisation), ``intake`` (hooks, fused
+launches, what ``p.grad`` shows), ``masters`` (fp32 master weights), ``nonfinite`` (flag and
+policy), ``scaling`` (loss scale), ``distributed`` (ranks). Each owns its piece of the
+checkpoint; this file only assembles them.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from accumkernels import backends
+from accumkernels._util import LOW_PRECISION, finite_positive
+from accumkernels.buffer import Bucket, MasterGradBuffer
+from accumkernels.checks import check_model
+from accumkernels.optim import checkpoint
+from accumkernels.optim.config import make_config
+from accumkernels.optim.distributed import DataParallel
+from accumkernels.optim.intake import Intake
+from accumkernels.optim.masters import MasterWeights
+from accumkernels.optim.nonfinite import NonFinite
+from accumkernels.optim.scaling import LossScaler
+from accumkernels.optim.stepping import StepMixin
+from accumkernels.optim.window import Window
+from accumkernels.slot import SLOT_ATTR, get_slot
+
+__all__ = ["AccumulatingOptimizer"]
+
+_OWNER_ATTR = "_accumkernels_wrapper"
+
+
+class _Slot:
+    """The wrapper's side of the slot protocol (accumkernels.slot); holds its owner weakly."""
+
+    def __init__(self, owner: AccumulatingOptimizer):
+        self._owner = weakref.ref(owner)
+
+    @property
+    def owner(self):
+        return self._owner()
+
+    def check_fusable(self) -> None:
+        owner = self._owner()
+        if owner is not None and owner._nonfinite.per_microbatch:
+            raise ValueError("fused gradient writes cannot be undone: nonfinite='skip_microbatch' "
+                             "is not supported with fuse_wgrad_accumulation")
+
+    def claim(self, p: torch.Tensor):
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("the AccumulatingOptimizer that managed this param is gone")
+        return owner._intake.claim(p)
+
+
+class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
+    """Wraps a constructed optimizer; accumulates micro-batch gradients in fp32, then steps it.
+
+    It shares ``param_groups`` with the inner optimizer, so LR schedulers and training
+    frameworks accept it unchanged. Between backwards every managed param's ``p.grad`` is the
+    running window, summed in fp32: a zero-copy view of the master buffer (also ``p.main_grad``).
+
+    Args:
+        optimizer: the inner optimizer, already built on the model's params.
+        accumulation_steps: N, or None. With N, ``step()`` is a no-op until N micro-batches
+            (backwards) are in the window, so it may be called every micro-batch. With None,
+            every ``step()`` ends the window: the recipe for the HF Trainer, a prepared
+            Accelerate optimizer and Lightning, which call ``step()`` only at window ends.
+        reduction: ``"sum"`` (native accumulation, in fp32), ``"mean"`` (divide by the
+            micro-batches kept) or ``"weighted"`` (divide by the ``add_weight`` total).
+        master_weights: ``"auto"`` (True when any param is bf16/fp16), True or False.
+        accumulate_in_backward: move gradients with fused launches during backward (True) or
+            let autograd keep them in ``.grad`` until ``accumulate()``/``step()`` (False).
+        max_grad_norm: fused global-norm clipping at the step; ``last_grad_norm`` reports it.
+        nonfinite: ``"skip_step"``, ``"skip_microbatch"`` or ``"raise"``.
+        loss_scale: None, a float, or ``"dynamic"``; use ``scale_loss(loss)``.
+        process_group: all-reduce (average) the fp32 window across ranks once per step.
+        bucket_size_mb: size of the buckets (unit of fused launches and of reduction).
+        backend: kernel backend for ``accumulate_`` (``"auto"``, ``"cuda"``, ...).
+        model: optional module: names params in errors and runs ``check_model``.
+        independent_ranks: allow a multi-rank job without ``process_group`` (ranks train apart).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, accumulation_steps=None,
+                 reduction="sum", master_weights="auto", accumulate_in_backward=True,
+                 max_grad_norm=None, nonfinite="skip_step", loss_scale=None,
+                 process_group=None, bucket_size_mb=25, backend="auto", model=None,
+                 independent_ranks=False):
+        _check_inner(optimizer)
+        self.config = cfg = make_config(
+            accumulation_steps=accumulation_steps, reduction=reduction,
+            master_weights=master_weights, accumulate_in_backward=accumulate_in_backward,
+            max_grad_norm=max_grad_norm, nonfinite=nonfinite, loss_scale=loss_scale,
+            bucket_size_mb=bucket_size_mb, backend=backend, independent_ranks=independent_ranks)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                "model is wrapped in DistributedDataParallel, which all-reduces every micro-batch "
+                "behind the wrapper's back; pass the plain module and process_group= instead (the "
+                "wrapper all-reduces the fp32 window once per step)")
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        # torch.optim.Optimizer.__init__ would build its own param_groups; the wrapper shares
+        # the inner optimizer's and only sets up the hook registries the base class uses.
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self._warned_capturable_if_run_uncaptured = True
+        self._patch_step_function()
+        self.optimizer = optimizer
+        self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        if model is not None:
+            check_model(model)
+        self._scaler = LossScaler(cfg.loss_scale)
+        self._window = Window(cfg)
+        self._masters = MasterWeights(optimizer, master_weights == "auto" and any(
+            p.dtype in LOW_PRECISION for p in params) or master_weights is True)
+        self.last_grad_norm: torch.Tensor | None = None
+        self._params: list[torch.Tensor] = []
+        self._intake = None
+        self._build(params)
+        self._nonfinite = NonFinite(cfg, next(iter(self._buffer.buffers), torch.device("cpu")))
+        self._dp = DataParallel(process_group, self._buffer, self._params,
+                                independent_ranks=cfg.independent_ranks)
+        setattr(optimizer, _OWNER_ATTR, weakref.ref(self))
+
+    def _build(self, params: list[torch.Tensor]) -> None:
+        """(Re)build the buffer, the masters and the hooks for the managed ``params``."""
+        _take_over(params, self)
+        buffer = MasterGradBuffer(params, bucket_size_mb=self.config.bucket_size_mb)
+        for device in buffer.buffers:  # an unusable backend fails here, not mid-backward
+            backends.resolve(self.config.backend, device)
+        if self._intake is not None:
+            self._intake.hide_all()
+            self._intake.remove()
+        self._masters.retarget(params)
+        self._params, self._buffer = params, buffer
+        slot = _Slot(self)
+        for p in params:
+            setattr(p, SLOT_ATTR, slot)
+            p.grad = None
+        self._intake = Intake(self, params, buffer,
+                              move_in_backward=self.config.accumulate_in_backward)
+
+    # -- sharing the inner optimizer ----------------------------------------------------------
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, v: setattr(self.optimizer, "param_groups", v))
+    state = property(lambda self: self.optimizer.state,
+                     lambda self, v: setattr(self.optimizer, "state", v))
+    defaults = property(lambda self: self.optimizer.defaults,
+                        lambda self, v: setattr(self.optimizer, "defaults", v))
+
+    def __getattr__(self, name):  # the old public option names (opt.reduction, ...)
+        config = self.__dict__.get("config")
+        if config is not None and name in config.__dataclass_fields__:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group to the inner optimizer; its trainable params join the window.
+
+        Only between windows (after ``step()`` or ``reset_window()``): the master buffer is
+        rebuilt to hold the new params (Lightning's ``BackboneFinetuning`` does this).
+        """
+        self._intake.settle()
+        if not self._window.empty:
+            raise ValueError(
+                "add_param_group: the current window holds gradients; call it between windows "
+                "(after step() or reset_window()), e.g. at the start of an epoch")
+        self.optimizer.add_param_group(param_group)
+        new = [p for p in self.optimizer.param_groups[-1]["params"] if p.requires_grad]
+        self._build(self._params + new)
+
+    # -- the window --------------------------------------------------------------------------
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches (backwards) in the current window, dropped ones included."""
+        return self._window.micro_steps + self._intake.unmoved
+
+    @property
+    def sync_step(self) -> bool:
+        """Whether ``step()`` now ends the window (a real optimizer step)."""
+        n = self.config.accumulation_steps
+        return n is None or self.micro_steps >= n
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._nonfinite.skipped_steps
+
+    @property
+    def skipped_microbatches(self) -> int:
+        return self._nonfinite.skipped_microbatches
+
+    @property
+    def master_params(self) -> list[torch.nn.Parameter]:
+        """The fp32 master copies the inner optimizer steps (registration order)."""
+        return self._masters.master_list()
+
+    @property
+    def collective_timeout(self) -> float | None:
+        """Seconds to wait for peers' all-reduces (process_group) before raising."""
+        return self._dp.reducer.timeout_s if self._dp.active else None
+
+    @collective_timeout.setter
+    def collective_timeout(self, seconds: float) -> None:
+        if not self._dp.active:
+            raise ValueError("collective_timeout needs process_group")
+        self._dp.reducer.timeout_s = finite_positive("collective_timeout", seconds)
+
+    @property
+    def loss_scale(self) -> float:
+        return self._scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S``; the matching 1/S is fused into accumulation."""
+        return self._scaler.scale_loss(loss)
+
+    def add_weight(self, weight: float | torch.Tensor) -> None:
+        """Report the weight (e.g. token count) of a micro-batch whose loss is a sum."""
+        if self.config.reduction != "weighted":
+            raise ValueError(
+                f"add_weight() needs reduction='weighted' (this one is {self.config.reduction!r})")
+        if isinstance(weight, torch.Tensor) and weight.numel() != 1:
+            raise TypeError("weight must be a number or a 1-element tensor")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float, torch.Tensor)) \
+                and not hasattr(weight, "__float__"):
+            raise TypeError(f"weight must be a number or a 1-element tensor, got "
+                            f"{type(weight).__name__}")
+        value = float(weight)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"weight must be finite and positive, got {value}")
+        self._window.weights.append(value)
+        if self._window.complete and not self._dp.active:
+            self._normalise(self._target_divisor(None))
+
+    def _prescale(self) -> float:
+        """The scale fused into each launch: unscale the loss, and 1/N for 'mean' with known N."""
+        return (1.0 / self._scaler.scale) / self._window.divisor
+
+    def _microbatch_ended(self, kept: bool) -> None:
+        """Intake's report: one backward (micro-batch) finished."""
+        self._window.add_microbatch(kept)
+        if not kept:
+            self._nonfinite.skipped_microbatches += 1
+            self._scaler.update(found_inf=True)
+        if self._window.complete and not self._dp.active and self._window.kept:
+            self._seal()  # N known and reached: show the window as the step will use it
+
+    def _bucket_moved(self, bucket: Bucket) -> None:
+        n = self.config.accumulation_steps
+        self._dp.bucket_moved(bucket, n is not None and self._window.micro_steps == n - 1)
+
+    def _settle(self) -> None:
+        """Before any decision: close a failed backward, take in what ``.grad`` holds."""
+        if self.config.accumulate_in_backward:
+            self._intake.absorb_assigned()
+        else:
+            self._intake.move_unmoved()
+
+    def accumulate(self) -> None:
+        """Move the model's ``.grad`` into the window (``accumulate_in_backward=False``)."""
+        self._settle()
+
+    def _reset_window(self) -> None:
+        self._window.reset()
+        self._nonfinite.reset()
+        self._dp.reset()
+
+    def reset_window(self) -> None:
+        """Discard the accumulated window; ``p.grad`` becomes None."""
+        self._intake.settle()
+        self._intake.pending = {}
+        self._reset_window()
+        self._intake.hide_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``.grad`` like the inner optimizer would.
+
+        With ``accumulation_steps=N`` a window still filling is kept (loops that call
+        ``zero_grad()`` every micro-batch keep working). A window that is complete (e.g.
+        GradScaler skipped its ``step()``), or any window with ``accumulation_steps=None``, is
+        discarded, as native PyTorch drops those gradients.
+        """
+        self._settle()
+        w = self._window
+        keep = w.micro_steps > 0 and self.config.accumulation_steps is not None and not w.complete
+        if not keep and not w.empty:
+            self._reset_window()
+        if set_to_none:
+            self._intake.hide_all()
+        elif not keep:  # native: zero grads stay, and the step still acts on those params
+            for p, view in zip(self._params, self._intake.views):
+                if p.grad is view:
+                    view.zero_()
+                    w.touched.add(id(p))
+        for p in self._unmanaged():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def _unmanaged(self) -> list[torch.Tensor]:
+        """Params of the inner optimizer outside the window (frozen when it was built)."""
+        managed = {id(p) for p in self._masters.master_list()} | {id(p) for p in self._params}
+        return [p for g in self.optimizer.param_groups for p in g["params"]
+                if id(p) not in managed]
+
+    # -- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to resume mid-window exactly (loadable with weights_only=True)."""
+        self._settle()
+        return checkpoint.assemble(self)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a ``state_dict()``; a state that does not fit changes nothing (ValueError)."""
+        checkpoint.restore(self, state_dict)
+
+    def remove_hooks(self) -> None:
+        """Detach from the model's params (the wrapper stops accumulating during backward)."""
+        self._intake.remove()
+
+
+def _check_inner(optimizer: object) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, AccumulatingOptimizer):
+        raise TypeError("optimizer is already an AccumulatingOptimizer")
+    previous = getattr(optimizer, _OWNER_ATTR, None)
+    if previous is not None and previous() is not None:
+        raise ValueError("this optimizer is already wrapped by a live AccumulatingOptimizer; "
+                         "wrap each inner optimizer once (build a new one to start over)")
+    if previous is not None and getattr(optimizer, "_accumkernels_masters", False):
+        raise ValueError("this optimizer was wrapped before with master weights: its "
+                         "param_groups now hold that wrapper's fp32 copies; build a new one")
+    seen: set[int] = set()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            where = f"param_groups[{g}]['params'][{i}]"
+            if id(p) in seen:
+                raise ValueError(f"{where} appears more than once in the optimizer")
+            if p.device.type == "meta":
+                raise ValueError(f"{where} is on the meta device; materialise the model first")
+            seen.add(id(p))
+
+
+def _take_over(params: list[torch.Tensor], new_owner: AccumulatingOptimizer) -> None:
+    """A live wrapper already managing these params stops, with a warning."""
+    for p in params:
+        slot = get_slot(p)
+        if slot is not None and slot.owner is not new_owner:
+            warnings.warn("AccumulatingOptimizer: these params were managed by another live "
+                          "wrapper; it is detached (its hooks removed) and this one takes over",
+                          stacklevel=3)
+            slot.owner.remove_hooks()
+            return

@@ -1,0 +1,163 @@
+"""When a window ends and what a real step does: normalise, reduce, check, clip, step, reset."""
+
+from __future__ import annotations
+
+import torch
+
+from accumkernels._util import LOW_PRECISION
+
+
+class StepMixin:
+    """The step half of AccumulatingOptimizer (kept apart so each file stays readable)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Run ``closure`` (if any), then end the window if it is due; returns the closure's loss.
+
+        The window ends when ``accumulation_steps`` is None, when N micro-batches are in, or
+        (learned from this wrapper's own calls) when the caller has so far called ``step()``
+        only on complete windows: such a caller (Trainer-style) ends a short last window the
+        same way. A caller that calls ``step()`` before the window is complete (every
+        micro-batch, Accelerate-style) gets no-ops until it is.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._maybe_step(force=False)
+        return loss
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Take the step now, for a short last window (e.g. at the end of an epoch)."""
+        self._maybe_step(force=True)
+
+    def _maybe_step(self, force: bool) -> None:
+        self._settle()
+        w = self._window
+        if w.empty:
+            return
+        if not (force or self.config.accumulation_steps is None or w.complete):
+            if w.boundary_only is not True:
+                w.boundary_only = False  # this caller steps before windows are complete
+                return
+        elif w.complete and w.boundary_only is None:
+            w.boundary_only = True  # its first step() came on a complete window
+        self._real_step()
+
+    def _real_step(self) -> None:
+        w, nf = self._window, self._nonfinite
+        if self.config.reduction == "weighted" and not self._dp.active and w.kept \
+                and w.local_weight() <= 0:
+            raise ValueError("reduction='weighted' needs add_weight() for the window's micro-batches")
+        self._check_unmanaged()
+        self._dp.check_world()
+        self._zero_untouched()
+        totals = self._dp.finish(w.micro_steps, w.kept, w.local_weight(), nf.found_inf,
+                                 [id(p) in w.touched for p in self._params])
+        if totals is not None:
+            w.touched = {id(p) for p, t in zip(self._params, totals.touched) if t}
+            if totals.found_inf:
+                nf.found_inf.fill_(1.0)
+        kept = totals.kept if totals is not None else w.kept
+        if kept == 0:  # every micro-batch was dropped (on every rank)
+            return self._skip()
+        target = self._target_divisor(totals)
+        if target is None:
+            raise ValueError("reduction='weighted' needs add_weight() for the window's micro-batches")
+        self._normalise(target)
+        flats = list(self._buffer.buffers.values())
+        norm = self._clip_norm(flats) if self.config.max_grad_norm is not None else None
+        if not nf.window_finite(flats, norm):
+            if nf.policy == "raise":
+                raise FloatingPointError(f"non-finite gradient in {self._first_nonfinite()}")
+            return self._skip()
+        if norm is not None:
+            coef = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
+            for flat in flats:
+                flat.mul_(coef.to(flat.device))
+            self.last_grad_norm = norm
+        self._masters.resync_changed()
+        self._inner_step()
+        self._masters.copy_back()
+        self._scaler.update(found_inf=False)
+        self._reset_window()
+
+    def _skip(self) -> None:
+        self._nonfinite.skipped_steps += 1
+        self._scaler.update(found_inf=True)
+        self._reset_window()
+
+    def _target_divisor(self, totals) -> float | None:
+        """What the window's gradient sum is divided by (over all ranks with process_group)."""
+        w = self._window
+        if self.config.reduction == "sum":  # data parallel: the average over ranks, like DDP
+            return float(totals.world) if totals else 1.0
+        if self.config.reduction == "mean":
+            return float(totals.kept if totals else w.kept)
+        total = totals.weight if totals else w.local_weight()
+        return total if total > 0 else None
+
+    def _zero_untouched(self) -> None:
+        """Views without data of this window hold an earlier one's: zero them, so norms,
+        reductions and ``p.main_grad`` see 0 (the first write of a window skips this pass)."""
+        touched = self._window.touched
+        untouched = [v for p, v in zip(self._params, self._intake.views) if id(p) not in touched]
+        if untouched:
+            torch._foreach_zero_(untouched)
+
+    def _seal(self) -> None:
+        """The window is complete (N known): zero what it did not touch, normalise it."""
+        self._zero_untouched()
+        self._normalise(self._target_divisor(None))
+
+    def _normalise(self, target: float | None) -> None:
+        """Rescale the buffer so it holds ``sum(g) / target``."""
+        w = self._window
+        if target is None or target == w.divisor:
+            return
+        torch._foreach_mul_(list(self._buffer.buffers.values()), w.divisor / target)
+        w.divisor = target
+
+    def _clip_norm(self, flats: list[torch.Tensor]) -> torch.Tensor:
+        norms = [torch.linalg.vector_norm(flat) for flat in flats]
+        device = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+    def _first_nonfinite(self) -> str:
+        for i, (p, view) in enumerate(zip(self._params, self._intake.views)):
+            if not bool(torch.isfinite(view).all()):
+                return self._names.get(id(p), f"parameter {i} (shape {tuple(p.shape)})")
+        return "the window (the gradient was non-finite when accumulated)"
+
+    def _check_unmanaged(self) -> None:
+        """A param frozen when the wrapper was built, now with a native gradient."""
+        if self.config.reduction == "sum" and self._scaler.scale == 1.0:
+            return  # its native .grad is exactly what native training steps on
+        for p in self._unmanaged():
+            if p.grad is not None:
+                name = self._names.get(id(p), f"a param of shape {tuple(p.shape)}")
+                raise ValueError(
+                    f"{name} was frozen when the AccumulatingOptimizer was built and now has a "
+                    f"gradient that reduction={self.config.reduction!r} / loss scaling cannot "
+                    "normalise; unfreeze it before wrapping, or pass its params to "
+                    "add_param_group() between windows")
+
+    def _inner_step(self) -> None:
+        """Hand the window to the inner optimizer as ``.grad`` and step it."""
+        touched = self._window.touched
+        cast = []
+        for p, view in zip(self._params, self._intake.views):
+            master = self._masters.get(p)
+            target = master if master is not None else p
+            if id(p) not in touched:
+                target.grad = None  # the inner optimizer skips params without .grad
+            elif master is None and p.dtype in LOW_PRECISION:
+                p.grad = view.to(p.dtype)  # master_weights=False: grads in the param dtype
+                cast.append(p)
+            else:
+                target.grad = view
+        self.optimizer.step()
+        for p in cast:
+            p.grad = None
+        self._intake.expose()  # as native: after the step .grad still shows what it used
