@@ -102,6 +102,9 @@ class Intake:
     def _begin(self) -> None:
         self.settle()
         if not self._active:
+            owner = self._owner()
+            if owner is not None:
+                owner._check_unfrozen()
             self._active, self._got_grad, self._deferred = True, False, False
             end = _EndOfBackward(self)
             self._end_ref = weakref.ref(end)

@@ -133,10 +133,10 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
 
     def _build(self, params: list[torch.Tensor]) -> None:
         """(Re)build the buffer, the masters and the hooks for the managed ``params``."""
+        for device in {p.device for p in params}:  # an unusable backend fails here, before
+            backends.resolve(self.config.backend, device)  # anything is touched
         _take_over(params, self)
         buffer = MasterGradBuffer(params, bucket_size_mb=self.config.bucket_size_mb)
-        for device in buffer.buffers:  # an unusable backend fails here, not mid-backward
-            backends.resolve(self.config.backend, device)
         if self._intake is not None:
             self._intake.hide_all()
             self._intake.remove()
@@ -148,6 +148,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
             p.grad = None
         self._intake = Intake(self, params, buffer,
                               move_in_backward=self.config.accumulate_in_backward)
+        self._frozen = self._unmanaged()
 
     # -- sharing the inner optimizer ----------------------------------------------------------
     param_groups = property(lambda self: self.optimizer.param_groups,

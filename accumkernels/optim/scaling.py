@@ -8,9 +8,11 @@ import torch
 
 __all__ = ["LossScaler"]
 
-# The scale stays a positive, finite fp32 number however long overflow lasts (GradScaler keeps
-# skipping instead of writing): between the smallest normal and the largest power of two.
-_MIN_SCALE = 2.0**-126
+# The dynamic scale stays positive and finite however long overflow lasts: it never backs off
+# below 1 (Megatron's and DeepSpeed's min_loss_scale; a smaller one would only flush fp16
+# gradients to zero, and gradients that overflow unscaled are skipped anyway) nor grows past
+# the largest power of two fp32 holds.
+_MIN_SCALE = 1.0
 _MAX_SCALE = 2.0**127
 
 

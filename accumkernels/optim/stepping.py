@@ -37,6 +37,9 @@ class StepMixin:
         w = self._window
         if w.empty:
             return
+        if self.config.reduction == "weighted" and not self._dp.active and w.kept \
+                and w.local_weight() <= 0 and (force or self.sync_step or w.boundary_only):
+            raise ValueError("reduction='weighted' needs add_weight() for the window's micro-batches")
         if not (force or self.config.accumulation_steps is None or w.complete):
             if w.boundary_only is not True:
                 w.boundary_only = False  # this caller steps before windows are complete
@@ -47,10 +50,6 @@ class StepMixin:
 
     def _real_step(self) -> None:
         w, nf = self._window, self._nonfinite
-        if self.config.reduction == "weighted" and not self._dp.active and w.kept \
-                and w.local_weight() <= 0:
-            raise ValueError("reduction='weighted' needs add_weight() for the window's micro-batches")
-        self._check_unmanaged()
         self._dp.check_world()
         self._zero_untouched()
         totals = self._dp.finish(w.micro_steps, w.kept, w.local_weight(), nf.found_inf,
@@ -130,12 +129,17 @@ class StepMixin:
                 return self._names.get(id(p), f"parameter {i} (shape {tuple(p.shape)})")
         return "the window (the gradient was non-finite when accumulated)"
 
-    def _check_unmanaged(self) -> None:
-        """A param frozen when the wrapper was built, now with a native gradient."""
-        if self.config.reduction == "sum" and self._scaler.scale == 1.0:
-            return  # its native .grad is exactly what native training steps on
-        for p in self._unmanaged():
-            if p.grad is not None:
+    def _check_unfrozen(self) -> None:
+        """A param frozen when the wrapper was built now trains (progressive unfreezing).
+
+        With ``reduction="sum"`` and no loss scale its native ``.grad`` is exactly what native
+        training steps on, so it just trains natively; otherwise the wrapper cannot normalise
+        it: the first backward after unfreezing raises, naming the fix.
+        """
+        if not self._frozen or (self.config.reduction == "sum" and self._scaler.scale == 1.0):
+            return
+        for p in self._frozen:
+            if p.requires_grad:
                 name = self._names.get(id(p), f"a param of shape {tuple(p.shape)}")
                 raise ValueError(
                     f"{name} was frozen when the AccumulatingOptimizer was built and now has a "
