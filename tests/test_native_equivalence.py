@@ -227,7 +227,7 @@ def test_one_fused_launch_per_bucket_while_grads_are_visible(accumulation_steps)
     n_buckets = len(expected_buffer.buckets)
     bucket_of = {i: expected_buffer.bucket_of(q).index for i, q in enumerate(expected_buffer.params)}
     assert n_buckets >= 3, "the test needs several buckets"
-    wrapped(model, accumulation_steps)
+    opt = wrapped(model, accumulation_steps)  # noqa: F841  (a user holds the optimizer)
     recorder = LaunchRecorder(params)
     for k, batch in enumerate(mlp_batches(N_ACCUM)):
         if k > 0:
