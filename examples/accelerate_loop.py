@@ -2,15 +2,14 @@
 
 The only change to Accelerate's gradient-accumulation recipe is wrapping the optimizer:
 
-* ``accumulation_steps`` = the Accelerator's ``gradient_accumulation_steps``, so the window is
-  in ``p.grad`` when ``accelerator.clip_grad_norm_`` runs on the sync micro-batch;
-* ``reduction="sum"``, because ``accelerator.backward`` already divides the loss by N;
-* ``step()``/``zero_grad()`` stay where they are (every micro-batch): the prepared optimizer
-  only forwards them on sync micro-batches, and the wrapper's ``zero_grad()`` never clears the
-  window anyway.
+* ``accumulation_steps=None``: ``step()``/``zero_grad()`` stay where they are (every
+  micro-batch), and the prepared optimizer forwards them only on sync micro-batches, so every
+  ``step()`` the wrapper receives ends a window;
+* ``reduction="sum"``, because ``accelerator.backward`` already divides the loss by N.
 
-A dataloader whose length is not a multiple of N ends each epoch with a short window; Accelerate
-marks it (``sync_gradients``) and the wrapper steps it like native, normalised the same way.
+``p.grad`` is the running fp32 window after every backward, so ``accelerator.clip_grad_norm_``
+on the sync micro-batch sees the window. A dataloader whose length is not a multiple of N ends
+each epoch with a short window: Accelerate steps it, and so the wrapper steps it like native.
 
 Run: ``python examples/accelerate_loop.py --steps 20``
 """
@@ -48,8 +47,8 @@ def main(argv: list[str] | None = None) -> float:
 
     optimizer = AccumulatingOptimizer(
         torch.optim.AdamW(model.parameters(), lr=3e-3),
-        accumulation_steps=args.accum,  # = gradient_accumulation_steps
-        reduction="sum",                # accelerator.backward divides by N already
+        accumulation_steps=None,  # the prepared optimizer steps only at window ends
+        reduction="sum",          # accelerator.backward divides by N already
     )
     total_steps = (args.steps + 1) * args.epochs
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_steps)

@@ -3,17 +3,17 @@
 Pass the wrapper (and a scheduler built on it) through ``Trainer(optimizers=(opt, scheduler))``;
 nothing else in the Trainer setup changes:
 
-* ``accumulation_steps`` = ``gradient_accumulation_steps``, so the accumulated window is in
-  ``p.grad`` when Trainer clips (``max_grad_norm``) and logs ``grad_norm``;
+* ``accumulation_steps=None``: Trainer calls ``step()`` only at window ends; ``p.grad`` is the
+  running fp32 window after every backward, so Trainer's clip (``max_grad_norm``) and its
+  ``grad_norm`` log see the window;
 * ``reduction="sum"``: Trainer already normalises the loss over the whole window (by the
   window's token count, ``num_items_in_batch``, for causal LMs; by N otherwise);
 * the model is bf16: without the wrapper, every micro-batch's gradient would be added into a
   bf16 ``.grad`` and AdamW would update bf16 weights; with it, the window is summed in fp32,
-  ``p.grad`` shows it as fp32 (``Tensor.grad_dtype``), and AdamW steps fp32 master weights that
+  ``p.grad`` shows it as fp32 (``grad_dtype=None`` on the bf16 params), and AdamW steps fp32 master weights that
   are copied back to the bf16 model.
 
-A short window at the end of an epoch is stepped like native: Trainer marks it through
-Accelerate's ``GradientState.sync_gradients``, which the wrapper follows.
+A short window at the end of an epoch is stepped like native: Trainer calls ``step()`` for it.
 
 A tiny GPT-2 built from a config and synthetic token sequences keep it offline and fast.
 
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> float:
 
     optimizer = AccumulatingOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
-        accumulation_steps=args.accum,  # = gradient_accumulation_steps
-        reduction="sum",                # Trainer normalises the loss over the window itself
+        accumulation_steps=None,  # Trainer steps only at window ends
+        reduction="sum",          # Trainer normalises the loss over the window itself
     )
     scheduler = get_linear_schedule_with_warmup(optimizer, 2, args.steps)
 

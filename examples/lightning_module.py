@@ -4,14 +4,13 @@ Lightning keeps doing the accumulation bookkeeping (``accumulate_grad_batches``)
 scaling, gradient clipping (``gradient_clip_val``) and the LR schedule; the wrapper only makes
 the accumulation exact and fused:
 
-* ``accumulation_steps`` = ``accumulate_grad_batches``: Lightning calls ``step(closure)`` on the
-  last micro-batch of each window, and the closure's backward completes the window, so
-  ``on_before_optimizer_step`` and Lightning's clipping see the accumulated gradient in
-  ``p.grad``;
+* ``accumulation_steps=None``: Lightning calls ``step(closure)`` only on the last micro-batch
+  of each window; the closure's backward completes the window, and ``p.grad`` is the running
+  fp32 window after every backward, so ``on_before_optimizer_step`` and Lightning's clipping
+  see it; the step after the closure ends the window;
 * ``reduction="sum"``: Lightning already divides the loss by ``accumulate_grad_batches``.
 
-A short window at the end of an epoch is stepped like native (Lightning's ``step(closure)``
-ends it). For bf16 models with master weights, ``gradient_clip_val`` clips the fp32 window too:
+A short window at the end of an epoch is stepped like native (Lightning steps it). For bf16 models with master weights, ``gradient_clip_val`` clips the fp32 window too:
 Lightning clips the optimizer's params, the fp32 masters, whose ``.grad`` is the window.
 
 Run: ``python examples/lightning_module.py --steps 10``
@@ -52,7 +51,7 @@ class SpiralClassifier(L.LightningModule):
     def configure_optimizers(self):
         optimizer = AccumulatingOptimizer(
             torch.optim.AdamW(self.parameters(), lr=self.lr),
-            accumulation_steps=self.accumulation_steps,  # = accumulate_grad_batches
+            accumulation_steps=None,  # Lightning steps only at window ends
             reduction="sum",  # Lightning divides the loss by accumulate_grad_batches already
         )
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.total_steps)

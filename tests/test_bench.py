@@ -55,7 +55,7 @@ def test_make_workload():
     small = bench.make_workload("small")
     assert (small.label, len(small.shapes), small.numel) == ("small-5000x1K", 5000, 5000 * 1024)
     quick_small = bench.make_workload("small", quick=True)
-    assert len(quick_small.shapes) >= 1000  # DESIGN.md: many tensors means >= 1000
+    assert len(quick_small.shapes) >= 1000  # the design contract: many tensors means >= 1000
     with pytest.raises(ValueError, match="unknown workload"):
         bench.make_workload("bert", 1)
 

@@ -1,4 +1,4 @@
-"""Multi-process jobs (DESIGN.md, "Multi-process jobs"; issue 10): 2 gloo ranks on 127.0.0.1.
+"""Multi-process jobs (the design contract, "Multi-process jobs"; issue 10): 2 gloo ranks on 127.0.0.1.
 
 Under DistributedDataParallel the wrapper must give native DDP's result (the average over
 ranks of the window's summed gradients), accumulated in fp32, with DDP's own ``no_sync``

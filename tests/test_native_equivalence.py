@@ -1,4 +1,4 @@
-"""Issue 9, the visibility invariant (DESIGN.md, revised 2026-11-22), checked against native PyTorch.
+"""Issue 9, the visibility invariant (the design contract, revised 2026-11-22), checked against native PyTorch.
 
 Between backwards every model param's ``p.grad`` is what native PyTorch would hold -- the running
 window (sum of the micro-batch gradients, ``reduction="sum"``), summed in fp32 -- as a zero-copy fp32
