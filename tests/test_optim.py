@@ -405,3 +405,38 @@ def test_step_closure_counts_as_a_microbatch(in_backward):
     assert out is calls[1] and len(calls) == 2
     assert opt.micro_steps == 0
     assert all(not torch.equal(p, s) for p, s in zip(model.parameters(), start))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_in_backward_false_grad_visibility(dtype):
+    """accumulate_in_backward=False: after a backward p.grad holds the gradients of the backwards
+    since the last accumulate(), in the param dtype, exactly as autograd left them (what native
+    .grad holds over those backwards); accumulate() moves them and p.grad is the fp32 window
+    view; the N-th backward moves them by itself."""
+    N = 4
+    model = make_model(dtype)
+    twin = copy.deepcopy(model)  # native autograd, zeroed where the wrapper moves its grads
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=N,
+                                accumulate_in_backward=False, bucket_size_mb=SMALL_BUCKET)
+    caps, handles = capture_grads(model)  # each backward's gradients, for the window reference
+    for k, (x, y) in enumerate(batches(N, 4, dtype)):
+        mse(model, x, y).backward()
+        mse(twin, x, y).backward()
+        if k < N - 1:  # not moved yet: bit-equal to native's .grad over the same backwards
+            for p, q in zip(model.parameters(), twin.parameters()):
+                assert p.grad.dtype == dtype and torch.equal(p.grad, q.grad)
+        if k == 1:
+            opt.accumulate()
+        if k == 1:  # what was moved: autograd's sum of backwards 0 and 1, in the param dtype
+            moved = {n: q.grad.double() for n, q in twin.named_parameters()}
+        if k in (1, N - 1):
+            twin.zero_grad()
+            assert opt.micro_steps == k + 1
+            for name, p in model.named_parameters():  # the window in fp32, zero-copy
+                assert p.grad.dtype == torch.float32
+                assert p.grad.data_ptr() == p.main_grad.data_ptr()
+                ref = moved[name] + sum(g.double() for g in caps[name][2:k + 1])
+                # <= 3 terms summed in fp32 (bf16 terms are exact in fp32): relative ~1e-7.
+                assert rel_err(p.grad, ref) < 1e-6, name
+    for h in handles:
+        h.remove()
