@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import os
 import sys
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,7 +51,7 @@ CLIP = 0.05  # far below every window's gradient norm in these tests (asserted w
 def mlp(dtype=torch.float32, widths=(D_IN, 24, 16, D_OUT), seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
+    for a, b in itertools.pairwise(widths):
         layers += [nn.Linear(a, b), nn.Tanh()]
     return nn.Sequential(*layers[:-1]).to(dtype)
 
@@ -70,7 +72,7 @@ def mse(model: nn.Module, batch) -> torch.Tensor:
 
 
 def capture_grads(model: nn.Module):
-    """Record every gradient autograd hands each param (before accumulation). Returns (caps, handles)."""
+    """Record every gradient autograd hands each param (before accumulation): (caps, handles)."""
     caps = {name: [] for name, p in model.named_parameters() if p.requires_grad}
     handles = [p.register_hook(lambda g, name=name: caps[name].append(g.detach().clone()))
                for name, p in model.named_parameters() if p.requires_grad]
@@ -80,7 +82,7 @@ def capture_grads(model: nn.Module):
 # -- comparisons ----------------------------------------------------------------------------------
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """Norm-wise relative error of ``a`` against ``ref``, in float64 (inf if ref is 0 and a is not)."""
+    """Norm-wise relative error of ``a`` against ``ref`` in float64 (inf if only ref is 0)."""
     diff = (a.detach().double() - ref.detach().double()).norm().item()
     den = ref.detach().double().norm().item()
     if den == 0:
@@ -126,15 +128,16 @@ def grad_norm(params) -> float:
     return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
 
 
-def assert_values_match(ours: list[float], native: list[float], what: str, rel: float = REL) -> None:
+def assert_values_match(ours: list[float], native: list[float], what: str,
+                        rel: float = REL) -> None:
     """Same length, same non-finite positions, finite values within ``rel``."""
-    assert len(ours) == len(native), f"{what}: {len(ours)} values, native has {len(native)}"
+    assert len(ours) == len(native), f"{what}: {len(ours)} values, reference has {len(native)}"
     for i, (a, b) in enumerate(zip(ours, native)):
         if not math.isfinite(b):
-            assert not math.isfinite(a), f"{what}[{i}]: {a} but native {b}"
+            assert not math.isfinite(a), f"{what}[{i}]: {a} but reference {b}"
             continue
         assert math.isfinite(a) and abs(a - b) <= rel * abs(b) + 1e-12, \
-            f"{what}[{i}]: {a!r} vs native {b!r}\n ours:   {ours}\n native: {native}"
+            f"{what}[{i}]: {a!r} vs reference {b!r}\n ours:      {ours}\n reference: {native}"
 
 
 def assert_same_params(native: nn.Module, ours: nn.Module, *, rtol: float = REL,
@@ -153,16 +156,29 @@ def assert_moved(model: nn.Module, start: nn.Module, by: float = 1e-4) -> None:
 
 # -- counting fused launches ----------------------------------------------------------------------
 
+# Where a fused launch can be entered, outermost first. Whichever of them a launch passes through
+# first counts it (nested ones are the same launch): the buffer's accumulate, the public op (seen as
+# the custom op accumkernels::accumulate_ by the dispatch mode below), a backend's entry points.
+_LAUNCH_ENTRIES = (
+    ("accumkernels.buffer", "MasterGradBuffer", "accumulate"),
+    ("accumkernels.backends.native", None, "accumulate"),
+    ("accumkernels.backends.native", None, "run"),
+    ("accumkernels.backends.native", None, "run_plan"),
+    ("accumkernels.backends.reference", None, "accumulate"),
+    ("accumkernels.backends.triton", None, "accumulate"),
+)
+
+
 class LaunchRecorder:
     """Sees every gradient move into the master buffer during a backward.
 
-    * ``launches``: one entry per call reaching a backend's ``accumulate`` (the fused kernel launch
-      behind ``accumkernels.accumulate_``, whichever way the wrapper reaches it): the indices (in
-      ``params``) of the params whose ``main_grad`` it writes, ``None`` for a dst that is no
-      ``main_grad``, and whether it overwrote.
-    * ``stale``: params whose view, at the moment its launch started, no longer held what it held
-      when :meth:`arm` was called (i.e. something -- such as autograd's AccumulateGrad adding
-      into a ``.grad`` that is the view -- wrote into it in between).
+    * ``launches``: one entry per fused launch (``MasterGradBuffer.accumulate``, the op
+      ``accumkernels.accumulate_`` or a backend's entry point, whichever it reaches first): the
+      indices (in ``params``) of the params whose ``main_grad`` it writes (``None`` for a
+      destination that is no param's ``main_grad``) and whether it overwrote.
+    * ``stale``: params whose view, when its launch started, no longer held what it held when
+      :meth:`arm` was called (something -- such as autograd's AccumulateGrad adding into a
+      ``.grad`` that is the view -- wrote into it in between).
     * ``stray_writes``: ATen ops outside any launch that wrote into the master buffer's storage
       (a per-param ``add_`` into the view), seen through a TorchDispatchMode around backward.
     """
@@ -178,47 +194,75 @@ class LaunchRecorder:
     def arm(self) -> None:
         """Snapshot every view (call between backwards) and clear the records."""
         self.launches, self.stale, self.stray_writes = [], [], []
+        self._by_id = {id(p): i for i, p in enumerate(self.params)}
         self._by_ptr = {p.main_grad.data_ptr(): i for i, p in enumerate(self.params)}
         self._storages = {p.main_grad.untyped_storage().data_ptr() for p in self.params}
         self._snapshot = {i: p.main_grad.detach().clone() for i, p in enumerate(self.params)}
 
-    def _wrap_backend(self, original):
-        def accumulate(dst, src, scale, scale_tensor, overwrite, found_inf):
-            idx = [self._by_ptr.get(d.data_ptr()) for d in dst]
-            self.launches.append((idx, bool(overwrite)))
-            for i, d in zip(idx, dst):
-                if i is not None and not overwrite and not torch.equal(d, self._snapshot[i]):
-                    self.stale.append(i)
+    def _index(self, t) -> int | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        if id(t) in self._by_id:  # a param (MasterGradBuffer.accumulate takes the params)
+            return self._by_id[id(t)]
+        return self._by_ptr.get(t.data_ptr())  # a destination view
+
+    def _record(self, dst, overwrite: bool) -> None:
+        idx = [self._index(t) for t in dst] if isinstance(dst, (list, tuple)) else [None]
+        self.launches.append((idx, bool(overwrite)))
+        for i in idx:
+            if i is not None and not overwrite and not torch.equal(self.params[i].main_grad,
+                                                                   self._snapshot[i]):
+                self.stale.append(i)
+
+    def _entry(self, original, method: bool):
+        def entry(*args, **kwargs):
+            if not self._inside:
+                rest = args[1:] if method else args
+                overwrite = kwargs.get("overwrite",
+                                       rest[4] if len(rest) > 4 and isinstance(rest[4], bool)
+                                       else False)
+                self._record(rest[0] if rest else None, overwrite)
             self._inside += 1
             try:
-                return original(dst, src, scale, scale_tensor, overwrite, found_inf)
+                return original(*args, **kwargs)
             finally:
                 self._inside -= 1
-        return accumulate
+        return entry
 
     @contextlib.contextmanager
     def backward(self):
-        """Context for one ``loss.backward()``: patch the backends, watch ATen writes."""
+        """Context for one ``loss.backward()``: watch the launch entry points and ATen writes."""
         import importlib
 
         from torch.utils._python_dispatch import TorchDispatchMode
 
         recorder = self
         patches = []
-        for name in ("accumkernels.backends.native", "accumkernels.backends.reference",
-                     "accumkernels.backends.triton"):
-            if name.endswith("triton") and name not in sys.modules:
+        for module_name, class_name, attr in _LAUNCH_ENTRIES:
+            if module_name.endswith("triton") and module_name not in sys.modules:
                 continue  # never imported: nothing can launch through it
-            module = importlib.import_module(name)
-            patches.append((module, module.accumulate))
-            module.accumulate = self._wrap_backend(module.accumulate)
+            owner = importlib.import_module(module_name)
+            if class_name is not None:
+                owner = getattr(owner, class_name)
+            original = vars(owner).get(attr)
+            if original is None:
+                continue
+            patches.append((owner, attr, original))
+            setattr(owner, attr, self._entry(original, method=class_name is not None))
 
         class WriteWatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                # The custom op accumkernels::accumulate_ is the launch itself (counted when it
-                # reaches the backend); anything else writing the buffer is a stray write.
-                if not recorder._inside and getattr(func, "namespace", "") != "accumkernels":
+                if getattr(func, "namespace", "") == "accumkernels":  # the public op: a launch
+                    if not recorder._inside:
+                        overwrite = args[4] if len(args) > 4 else kwargs.get("overwrite", False)
+                        recorder._record(args[0] if args else kwargs.get("dst"), overwrite)
+                    recorder._inside += 1
+                    try:
+                        return func(*args, **kwargs)
+                    finally:
+                        recorder._inside -= 1
+                if not recorder._inside:
                     for i, arg in enumerate(func._schema.arguments):
                         if arg.alias_info is None or not arg.alias_info.is_write:
                             continue
@@ -233,8 +277,8 @@ class LaunchRecorder:
             with WriteWatch():
                 yield self
         finally:
-            for module, original in patches:
-                module.accumulate = original
+            for owner, attr, original in reversed(patches):
+                setattr(owner, attr, original)
 
 
 # -- Accelerate state -----------------------------------------------------------------------------
@@ -245,6 +289,14 @@ def reset_accelerate() -> None:
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+@pytest.fixture
+def accelerate_state_reset_after():
+    """A test that uses Accelerate decides itself when the singletons are fresh (reset_accelerate);
+    whatever happens, it leaves them fresh for the next test."""
+    yield
+    reset_accelerate()
 
 
 # -- framework runs on a tiny GPT-2 ---------------------------------------------------------------
@@ -271,7 +323,8 @@ def assert_runs_match(ours: Run, ref: Run, what: str, *, rel: float = REL,
     """Same logs and params. atol for params: the integration tests' margin (see
     _integration_common: lr * steps * 2**-24 << 1e-5 << lr)."""
     assert_values_match(ours.losses, ref.losses, f"{what} losses", rel)
-    assert_values_match(ours.micro_norms, ref.micro_norms, f"{what} per-micro-batch grad norms", rel)
+    assert_values_match(ours.micro_norms, ref.micro_norms, f"{what} per-micro-batch grad norms",
+                        rel)
     assert_values_match(ours.clip_norms, ref.clip_norms, f"{what} pre-clip norms", rel)
     assert_same_params(ref.model, ours.model, rtol=0, atol=atol)
 
@@ -279,7 +332,8 @@ def assert_runs_match(ours: Run, ref: Run, what: str, *, rel: float = REL,
 def wrap_adamw(model, wrap: bool, accumulation_steps: int | None, **kw):
     opt = torch.optim.AdamW(model.parameters(), lr=GPT_LR)
     if wrap:
-        opt = AccumulatingOptimizer(opt, accumulation_steps=accumulation_steps, reduction="sum", **kw)
+        opt = AccumulatingOptimizer(opt, accumulation_steps=accumulation_steps, reduction="sum",
+                                    **kw)
     return opt
 
 

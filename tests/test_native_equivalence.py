@@ -1,16 +1,16 @@
-"""Issue 9, the visibility invariant (the design contract, revised 2026-11-22), checked against native PyTorch.
+"""Issue 9, the visibility invariant (design contract, revised 2026-11-22) against native PyTorch.
 
 Between backwards every model param's ``p.grad`` is what native PyTorch would hold -- the running
-window (sum of the micro-batch gradients, ``reduction="sum"``), summed in fp32 -- as a zero-copy fp32
-view of ``p.main_grad``, never None mid-window; what a user or framework does to it in place
+window (sum of the micro-batch gradients, ``reduction="sum"``), summed in fp32 -- as a zero-copy
+fp32 view of ``p.main_grad``, never None mid-window; what a user or framework does to it in place
 (clipping, scaling) is what the step uses; the next backward still moves its gradients with one
 fused launch per bucket. Frameworks that call ``step()`` only at window ends work with
 ``accumulation_steps=None``.
 
-Against the wrapper as of 1127b27 most of these fail for one reason: it releases ``p.grad`` right
-after each fused launch and shows the window only once it has decided the window ended (from
-``accumulation_steps``, a Lightning closure, or Accelerate's global ``GradientState``), so
-mid-window ``p.grad`` is None and a clip/scale at a point it did not guess acts on nothing.
+The wrapper before the issue-9 rewrite (1a87787) failed most of these for one reason: it released
+``p.grad`` right after each fused launch and showed the window only once it had decided the window
+ended (from ``accumulation_steps``, a Lightning closure, or Accelerate's global ``GradientState``),
+so mid-window ``p.grad`` was None and a clip/scale at a point it did not guess acted on nothing.
 Tolerances: see tests/_native_common.py.
 """
 
@@ -27,6 +27,7 @@ from _native_common import (
     SMALL_BUCKET,
     U32,
     LaunchRecorder,
+    accelerate_state_reset_after,  # noqa: F401  (fixture)
     assert_grads_match_native,
     assert_moved,
     assert_runs_match,
@@ -60,7 +61,7 @@ def wrapped(model, accumulation_steps, **kw):
                                  reduction="sum", **kw)
 
 
-# -- 1. p.grad after every micro-batch --------------------------------------------------------------
+# -- 1. p.grad after every micro-batch -------------------------------------------------------------
 
 @pytest.mark.parametrize("accumulation_steps", [N_ACCUM, None])
 def test_fp32_grad_is_the_running_window_after_every_microbatch(accumulation_steps):
@@ -114,7 +115,7 @@ def test_bf16_grad_is_fp32_window_within_fp32_bound():
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-# -- 2. in-place changes to p.grad are what the step uses ---------------------------------------------
+# -- 2. in-place changes to p.grad are what the step uses ------------------------------------------
 
 @pytest.mark.parametrize("accumulation_steps", [N_ACCUM, None])
 def test_inplace_scaling_of_grad_changes_the_step(accumulation_steps):
@@ -148,7 +149,7 @@ def test_inplace_scaling_of_grad_changes_the_step(accumulation_steps):
     assert_values_match(norms, native_norms, "clip_grad_norm_ results")
 
 
-# -- 3. the textbook loop with a short last window ---------------------------------------------------
+# -- 3. the textbook loop with a short last window -------------------------------------------------
 
 @pytest.mark.parametrize("accumulation_steps", [N_ACCUM, None])
 def test_textbook_loop_short_last_window_with_clipping(accumulation_steps):
@@ -189,7 +190,7 @@ def test_textbook_loop_short_last_window_with_clipping(accumulation_steps):
     assert_same_params(native, ours, rtol=0, atol=1e-5)
 
 
-# -- 4. one fused launch per bucket, no per-param add into the views ---------------------------------
+# -- 4. one fused launch per bucket, no per-param add into the views -------------------------------
 
 def test_launch_recorder_sees_a_per_param_add():
     """Self-check of the detector used below (no wrapper involved): when p.grad is a view of a flat
@@ -225,7 +226,8 @@ def test_one_fused_launch_per_bucket_while_grads_are_visible(accumulation_steps)
     expected_buffer = MasterGradBuffer(list(copy.deepcopy(model).parameters()),
                                        bucket_size_mb=SMALL_BUCKET)
     n_buckets = len(expected_buffer.buckets)
-    bucket_of = {i: expected_buffer.bucket_of(q).index for i, q in enumerate(expected_buffer.params)}
+    bucket_of = {i: expected_buffer.bucket_of(q).index
+                 for i, q in enumerate(expected_buffer.params)}
     assert n_buckets >= 3, "the test needs several buckets"
     opt = wrapped(model, accumulation_steps)  # noqa: F841  (a user holds the optimizer)
     recorder = LaunchRecorder(params)
@@ -241,7 +243,8 @@ def test_one_fused_launch_per_bucket_while_grads_are_visible(accumulation_steps)
                 f"micro-batch {k}: ATen writes into the master buffer outside a fused launch: " \
                 f"{recorder.stray_writes}"
             assert recorder.stale == [], \
-                f"micro-batch {k}: views changed before their launch (per-param add): {recorder.stale}"
+                f"micro-batch {k}: views changed before their launch (a per-param add): " \
+                f"{recorder.stale}"
             assert all(None not in idx for idx, _ in recorder.launches), recorder.launches
             launched = sorted(i for idx, _ in recorder.launches for i in idx)
             assert launched == list(range(len(params))), f"micro-batch {k}: {recorder.launches}"
@@ -256,7 +259,7 @@ def test_one_fused_launch_per_bucket_while_grads_are_visible(accumulation_steps)
         assert_grads_match_native(model, native, f"micro-batch {k}: ")
 
 
-# -- 6. frameworks that step at window ends, accumulation_steps=None ---------------------------------
+# -- 6. frameworks that step at window ends, accumulation_steps=None -------------------------------
 # 6 micro-batches per epoch, two epochs, gradient accumulation 4: windows 4, 2 per epoch, the short
 # one stepped by the framework at the end of the epoch, clipping active in every window.
 # Compared with the same run on the stock optimizer: losses, the norm of p.grad after every
@@ -276,6 +279,7 @@ def _check_framework_run(ours, native, start, windows):
     assert_moved(ours.model, start)
 
 
+@pytest.mark.usefixtures("accelerate_state_reset_after")
 def test_trainer_accumulation_steps_none_is_native(tmp_path):
     start, samples = _gpt2_case()
     reset_accelerate()
@@ -287,6 +291,7 @@ def test_trainer_accumulation_steps_none_is_native(tmp_path):
     _check_framework_run(ours, native, start, 4)
 
 
+@pytest.mark.usefixtures("accelerate_state_reset_after")
 def test_prepared_accelerate_optimizer_accumulation_steps_none_is_native():
     start, samples = _gpt2_case()
     reset_accelerate()

@@ -14,11 +14,11 @@ short window at the end of the data. Compared: losses, the norm of p.grad after 
 micro-batch, the pre-clip norms, the params (see tests/_native_common.py for tolerances). The
 "alone" run is the identical run after resetting Accelerate's singletons: bit-for-bit equal.
 
-Against the wrapper as of 1a87787 the pairs whose first run is Accelerate or HF Trainer fail
-besides the visibility failures shared with test_native_equivalence.py: the wrapper reads
-Accelerate's process-wide GradientState, left with sync_gradients=True (and num_steps=4 after
-an Accelerate run) by the earlier training, and so ends the window after every backward of the
-next training.
+Why the wrapper before the issue-9 rewrite (1a87787) failed the pairs that start with Accelerate,
+besides the visibility failures of test_native_equivalence.py: it read Accelerate's process-wide
+GradientState, left by the earlier training with sync_gradients=True and num_steps=4, and so ended
+the window after every backward of the next training (Lightning: "a backward pass started after
+the window ... was complete"; the plain loop stepped every micro-batch).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import pytest
 from _native_common import (
     GPT_CLIP,
+    accelerate_state_reset_after,  # noqa: F401  (fixture)
     assert_moved,
     assert_runs_match,
     random_seed,
@@ -53,13 +54,6 @@ def _run(kind: str, start, samples, tmp_path, label: str, *, wrap: bool):
         return run_trainer(start, samples, tmp_path / label, wrap=wrap, accumulation_steps=None)
     assert kind == "plain"
     return run_plain(start, samples, wrap=wrap)
-
-
-@pytest.fixture
-def accelerate_state_reset_after():
-    """The test itself decides when Accelerate's singletons are fresh; clean up afterwards."""
-    yield
-    reset_accelerate()
 
 
 @pytest.mark.usefixtures("accelerate_state_reset_after")
