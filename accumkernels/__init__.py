@@ -5,6 +5,7 @@ from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model, validate_batch_sizes
 from accumkernels.ops import accumulate_, available_backends
 from accumkernels.optim import AccumulatingOptimizer
+from accumkernels.optim.ddp import ddp_comm_hook
 from accumkernels.wgrad import fuse_wgrad_accumulation
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "accumulate_",
     "available_backends",
     "check_model",
+    "ddp_comm_hook",
     "find_micro_batch_size",
     "fuse_wgrad_accumulation",
     "validate_batch_sizes",

@@ -6,6 +6,10 @@ communication overlaps the rest of that backward; other micro-batches communicat
 A small "agreement" all-reduce then checks that every rank ran the same number of
 micro-batches and sums what the normalisation needs (kept micro-batches, weights, non-finite
 flags, which params got gradients).
+
+Under DDP (accumkernels.optim.ddp) the gradients travel through DDP's comm hook; this module
+then provides only the agreement (``agree``) and, for a window that ended without a DDP sync,
+the reduction of the whole buffer.
 """
 
 from __future__ import annotations
@@ -21,10 +25,15 @@ __all__ = ["WindowReducer"]
 
 
 class WindowTotals:
-    """The window summed over ranks."""
+    """The window summed over ranks.
+
+    ``averaged``: the gradients were averaged over the ranks (DDP's semantics, the
+    ``ddp_comm_hook`` path) rather than summed (``process_group``).
+    """
 
     def __init__(self, values: list[float], world: int, num_params: int):
         self.world = world
+        self.averaged = False
         self.kept = int(values[2])
         self.weight = values[3]
         self.found_inf = values[4] > 0
@@ -80,6 +89,11 @@ class WindowReducer:
         works, self._works = self._works, {}
         for work in works.values():
             self._wait(work, "gradient")
+        return self.agree(micro_steps, kept, weight, found_inf, touched)
+
+    def agree(self, micro_steps: int, kept: int, weight: float, found_inf: torch.Tensor,
+              touched: list[bool]) -> WindowTotals:
+        """One small all-reduce of the window's bookkeeping (no gradients); checks the counts."""
         device = next(iter(self.buffer.buffers))
         head = torch.tensor([micro_steps, micro_steps**2, kept, weight], dtype=torch.float64)
         info = torch.cat([head.to(device), found_inf.double().reshape(1),

@@ -1,18 +1,28 @@
 """The data-parallel room: what the wrapper does when more than one rank trains.
 
-* ``process_group=``: the wrapper itself all-reduces the fp32 window once per step
+* ``process_group=``: the wrapper itself all-reduces (sums) the fp32 window once per step
   (accumkernels.distributed.WindowReducer), overlapped with the last backward when N is known.
+* DistributedDataParallel (``model=ddp``, or ``accumkernels.ddp_comm_hook`` registered on it):
+  DDP decides when to sync (its ``no_sync`` cadence); on a sync backward its comm hook calls
+  :meth:`DataParallel.ddp_reduce` per DDP bucket, which averages the fp32 window of the
+  bucket's params (accumkernels.optim.ddp). At the end of that backward one small all-reduce
+  agrees on the bookkeeping (micro-batch counts, weights, non-finite flags) and the window is
+  normalised, so what ``p.grad`` shows -- and what clipping on the sync step scales -- is final.
+  A window that reaches ``step()`` with micro-batches no sync reduced is averaged there.
 * Otherwise, in a job of more than one rank, a step on rank-local gradients would silently
-  diverge: the first real step raises, naming ``process_group`` (``independent_ranks=True``
-  opts out, for ranks that deliberately train apart).
+  diverge: the first real step raises, naming ``process_group`` and ``model=``
+  (``independent_ranks=True`` opts out, for ranks that deliberately train apart).
+* FSDP2 (``fully_shard``: DTensor params) is refused when the wrapper is built.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
-from accumkernels.buffer import Bucket, MasterGradBuffer
+from accumkernels.buffer import Bucket
 from accumkernels.distributed import WindowReducer, WindowTotals
 
 
@@ -20,20 +30,52 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def refuse_sharded(params: list[torch.Tensor]) -> None:
+    """FSDP2 / tensor-parallel params (DTensor) are not supported: say so before any state."""
+    if not dist.is_available():
+        return
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return
+    for i, p in enumerate(params):
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"AccumulatingOptimizer: param {i} is a DTensor (an FSDP2 fully_shard or tensor-"
+                "parallel model). Sharded params are not supported: FSDP2 reduce-scatters and "
+                "accumulates their gradients itself; for fp32 accumulation use "
+                "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) "
+                "and the plain optimizer.")
+
+
 class DataParallel:
     """Reduction of the window across ranks, and the guard against silent divergence."""
 
-    def __init__(self, process_group, buffer: MasterGradBuffer, params: list[torch.Tensor], *,
-                 independent_ranks: bool):
+    def __init__(self, owner, process_group, *, independent_ranks: bool, ddp=None):
+        self._owner = weakref.ref(owner)
         self.independent_ranks = independent_ranks
-        self.reducer = None
-        if process_group is not None:
-            self.reducer = WindowReducer(process_group, buffer)
-            self.reducer.broadcast_params(params)
+        self.reducer: WindowReducer | None = None
         self.totals: WindowTotals | None = None
+        self.ddp_group = None  # DDP's process group, once known
+        self._futures: list = []
+        self._synced = False  # DDP's comm hook ran in the current backward
+        self._clean = False  # no micro-batch since the last DDP sync (totals are current)
+        self._stale = False  # ... but a weight was reported after it
+        self._layout: dict[int, int] = {}  # id(param) -> position in the buffer
+        if process_group is not None:
+            if ddp is not None:
+                raise ValueError(_BOTH)
+            self.reducer = WindowReducer(process_group, owner._buffer)
+            self.reducer.broadcast_params(owner._params)
+        if ddp is not None:
+            from accumkernels.optim.ddp import register
+
+            self._attach(ddp.process_group)
+            register(ddp)
 
     @property
     def active(self) -> bool:
+        """The window is reduced across ranks (process_group, or DDP once known)."""
         return self.reducer is not None
 
     def check_world(self) -> None:
@@ -43,26 +85,150 @@ class DataParallel:
         world = _world_size()
         if world > 1:
             raise RuntimeError(
-                f"AccumulatingOptimizer: torch.distributed runs {world} ranks but this wrapper "
-                "was given no process_group, so each rank would step on its own gradients and "
-                "the ranks would silently diverge. Pass process_group=torch.distributed.group."
-                "WORLD (the wrapper averages the fp32 window once per step; do not also wrap the "
-                "model in DistributedDataParallel), or independent_ranks=True if the ranks are "
-                "meant to train apart.")
+                f"AccumulatingOptimizer: torch.distributed runs {world} ranks but nothing reduced "
+                "this wrapper's window across them, so each rank would step on its own "
+                "gradients and the ranks would silently diverge. If the model is in "
+                "DistributedDataParallel, pass model=<the DDP module> (or register "
+                "accumkernels.ddp_comm_hook on it: ddp.register_comm_hook(None, "
+                "accumkernels.ddp_comm_hook)) before the first backward. Without DDP, pass "
+                "process_group=torch.distributed.group.WORLD (the wrapper averages the fp32 "
+                "window once per step). independent_ranks=True if the ranks are meant to train "
+                "apart.")
 
     def bucket_moved(self, bucket: Bucket, last_microbatch: bool) -> None:
         """During the window's last backward: start reducing a finished bucket (overlap)."""
-        if self.reducer is not None and last_microbatch:
+        if self.reducer is not None and self.ddp_group is None and last_microbatch:
             self.reducer.reduce_bucket(bucket)
 
+    # -- DistributedDataParallel ----------------------------------------------------------------
+    def _attach(self, group) -> None:
+        """DDP reduces this window over ``group`` from now on."""
+        if self.ddp_group is not None:
+            if group is not self.ddp_group:
+                raise RuntimeError("AccumulatingOptimizer: two DDP process groups reduce the same "
+                                   "window (one DDP module per wrapper)")
+            return
+        if self.reducer is not None:
+            raise ValueError(_BOTH)
+        owner = self._owner()
+        config = owner.config
+        if config.nonfinite == "skip_microbatch" or not config.accumulate_in_backward:
+            raise ValueError(
+                "AccumulatingOptimizer under DistributedDataParallel needs "
+                "accumulate_in_backward=True and a nonfinite policy other than "
+                "'skip_microbatch' (DDP reduces each gradient during the backward, before a "
+                "micro-batch could be dropped)")
+        self.ddp_group = group
+        self._follow_buffer(owner)
+
+    def _follow_buffer(self, owner) -> None:
+        """(Re)bind to the owner's master buffer (add_param_group rebuilds it)."""
+        if self.reducer is not None and self.reducer.buffer is owner._buffer:
+            return
+        timeout = self.reducer.timeout_s if self.reducer is not None else 300.0
+        self.reducer = WindowReducer(self.ddp_group, owner._buffer, timeout_s=timeout)
+        self._layout = {id(p): k for k, p in enumerate(reversed(owner._buffer.params))}
+
+    def ddp_reduce(self, params: list[torch.Tensor], group) -> torch.futures.Future:
+        """From DDP's comm hook, on a sync backward: average the fp32 window of ``params``."""
+        self._attach(group)
+        owner = self._owner()
+        self._follow_buffer(owner)
+        owner._intake.flush(params)  # gradients waiting for the rest of a wrapper bucket
+        touched, buffer = owner._window.touched, owner._buffer
+        views = []
+        for p in params:
+            view = buffer.view(p)
+            if id(p) not in touched:  # no gradient on this rank in this window: 0, as in DDP
+                view.zero_()
+                touched.add(id(p))
+            views.append(view)
+        flat = self._contiguous_range(params, views)
+        copy_back = flat is None
+        if copy_back:
+            flat = torch.cat([v.reshape(-1) for v in views])
+        flat.div_(dist.get_world_size(group))  # DDP's order: divide, then sum
+        future = dist.all_reduce(flat, group=group, async_op=True).get_future()
+        if copy_back:
+            def scatter(_, flat=flat, views=views):
+                pieces = torch.split(flat, [v.numel() for v in views])
+                torch._foreach_copy_(views, [x.view_as(v) for x, v in zip(pieces, views)])
+            future = future.then(scatter)
+        self._futures.append(future)
+        self._synced = True
+        return future
+
+    def _contiguous_range(self, params, views) -> torch.Tensor | None:
+        """The buffer range holding exactly ``params`` (and zero padding), if there is one."""
+        positions = sorted(self._layout.get(id(p), -1) for p in params)
+        if positions[0] < 0 or positions[-1] - positions[0] != len(positions) - 1:
+            return None
+        first = min(views, key=lambda v: v.storage_offset())
+        last = max(views, key=lambda v: v.storage_offset())
+        flat = next(iter(self._owner()._buffer.buffers.values()))
+        start = first.storage_offset() - flat.storage_offset()
+        return flat[start:last.storage_offset() - flat.storage_offset() + last.numel()]
+
+    def end_backward(self) -> bool:
+        """After each backward (its micro-batch counted). True if DDP synced it: the window is
+        then averaged, agreed on and normalised."""
+        if self.ddp_group is None:
+            return False
+        if not self._synced:
+            self._clean = False
+            return False
+        self._synced = False
+        owner = self._owner()
+        self._wait()
+        self.totals = self._agree(owner)
+        self._clean, self._stale = True, False
+        owner._normalise(owner._target_divisor(self.totals))
+        return True
+
+    def weight_added(self) -> None:
+        if self._clean:
+            self._stale = True
+
+    def _wait(self) -> None:
+        futures, self._futures = self._futures, []
+        for future in futures:
+            future.wait()
+
+    def _agree(self, owner) -> WindowTotals:
+        w = owner._window
+        totals = self.reducer.agree(w.micro_steps, w.kept, w.local_weight(),
+                                    owner._nonfinite.found_inf,
+                                    [id(p) in w.touched for p in owner._params])
+        totals.averaged = True
+        return totals
+
+    # -- the step -------------------------------------------------------------------------------
     def finish(self, micro_steps: int, kept: int, weight: float, found_inf: torch.Tensor,
                touched: list[bool]) -> WindowTotals | None:
         if self.reducer is None:
             return None
-        self.totals = self.reducer.finish(micro_steps, kept, weight, found_inf, touched)
+        if self.ddp_group is None:
+            self.totals = self.reducer.finish(micro_steps, kept, weight, found_inf, touched)
+            return self.totals
+        owner = self._owner()
+        self._follow_buffer(owner)
+        if not self._clean:  # micro-batches no DDP sync reduced (no sync in this window's end)
+            world = dist.get_world_size(self.ddp_group)
+            for flat in owner._buffer.buffers.values():
+                flat.div_(world)
+            self.totals = self.reducer.finish(micro_steps, kept, weight, found_inf, touched)
+            self.totals.averaged = True
+        elif self._stale:
+            self.totals = self._agree(owner)
         return self.totals
 
     def reset(self) -> None:
         self.totals = None
+        self._clean = self._stale = self._synced = False
+        self._futures = []
         if self.reducer is not None:
             self.reducer.reset()
+
+
+_BOTH = ("AccumulatingOptimizer: process_group= and a DistributedDataParallel model would both "
+         "reduce the window; under DDP leave process_group out (DDP's comm hook reduces it)")

@@ -79,6 +79,7 @@ class Intake:
         self._index = {id(p): i for i, p in enumerate(params)}
         self.move_in_backward = move_in_backward
         self.pending: dict[int, dict[int, torch.Tensor]] = {}  # bucket index -> {id: param}
+        self._flushed: dict[int, int] = {}  # bucket index -> params moved early (flush)
         self._active = False  # inside a backward that touched our params
         self._deferred = False  # ... waiting for the outer backward to end
         self._got_grad = False  # an AccumulateGrad (or fused write) ran in it
@@ -109,6 +110,11 @@ class Intake:
             end = _EndOfBackward(self)
             self._end_ref = weakref.ref(end)
             _engine.queue_callback(end)
+            if owner is not None and owner._dp.ddp_group is not None:
+                # DDP (accumkernels.optim.ddp) reads every p.grad of a sync backward, also of
+                # params this backward gives no gradient: none may still show the fp32 window.
+                for i in range(len(self.params)):
+                    self._hide(i)
 
     def settle(self) -> None:
         """Close a backward that raised (its final callback was dropped without running)."""
@@ -128,6 +134,9 @@ class Intake:
 
     def before_grad(self, i: int) -> None:
         self._begin()
+        self._hide(i)
+
+    def _hide(self, i: int) -> None:
         p = self.params[i]
         g = p.grad
         if g is None:
@@ -155,14 +164,31 @@ class Intake:
         owner = self._owner()
         if owner is None or owner._nonfinite.per_microbatch:
             return  # checked, then moved, at the end of the backward
-        if len(pend) == len(bucket.params):
+        if len(pend) + self._flushed.get(bucket.index, 0) == len(bucket.params):
             del self.pending[bucket.index]
             self.launch(bucket, list(pend.values()))
+
+    def flush(self, params: list[torch.Tensor]) -> None:
+        """Move the pending gradients of ``params`` now, before their bucket is complete
+        (DDP's comm hook reduces them in DDP's buckets, which are cut elsewhere)."""
+        ids = {id(p) for p in params}
+        for index in list(self.pending):
+            pend = self.pending[index]
+            take = [p for key, p in pend.items() if key in ids]
+            if not take:
+                continue
+            for p in take:
+                del pend[id(p)]
+            if not pend:
+                del self.pending[index]
+            self._flushed[index] = self._flushed.get(index, 0) + len(take)
+            self.launch(self.buffer.buckets[index], take)
 
     def _end_backward(self) -> None:
         self._active, self._deferred, self._end_ref = False, False, None
         owner = self._owner()
         pending, self.pending = self.pending, {}
+        self._flushed = {}
         if owner is None:
             return
         kept = True

@@ -21,7 +21,7 @@ from accumkernels.buffer import Bucket, MasterGradBuffer
 from accumkernels.checks import check_model
 from accumkernels.optim import checkpoint
 from accumkernels.optim.config import make_config
-from accumkernels.optim.distributed import DataParallel
+from accumkernels.optim.distributed import DataParallel, refuse_sharded
 from accumkernels.optim.intake import Intake
 from accumkernels.optim.masters import MasterWeights
 from accumkernels.optim.nonfinite import NonFinite
@@ -82,8 +82,11 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         process_group: all-reduce (average) the fp32 window across ranks once per step.
         bucket_size_mb: size of the buckets (unit of fused launches and of reduction).
         backend: kernel backend for ``accumulate_`` (``"auto"``, ``"cuda"``, ...).
-        model: optional module: names params in errors and runs ``check_model``.
-        independent_ranks: allow a multi-rank job without ``process_group`` (ranks train apart).
+        model: optional module: names params in errors and runs ``check_model``. A
+            ``DistributedDataParallel`` module: DDP reduces the fp32 window (the wrapper
+            registers ``accumkernels.ddp_comm_hook`` on it; see accumkernels.optim.ddp).
+        independent_ranks: allow a multi-rank job without ``process_group`` or DDP (ranks
+            train apart).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, accumulation_steps=None,
@@ -99,12 +102,9 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
             bucket_size_mb=bucket_size_mb, backend=backend, independent_ranks=independent_ranks)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError(
-                "model is wrapped in DistributedDataParallel, which all-reduces every micro-batch "
-                "behind the wrapper's back; pass the plain module and process_group= instead (the "
-                "wrapper all-reduces the fp32 window once per step)")
+        ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        refuse_sharded(params)  # FSDP2 (DTensor params): refused before any state is built
         # torch.optim.Optimizer.__init__ would build its own param_groups; the wrapper shares
         # the inner optimizer's and only sets up the hook registries the base class uses.
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -127,8 +127,8 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         self._intake = None
         self._build(params)
         self._nonfinite = NonFinite(cfg, next(iter(self._buffer.buffers), torch.device("cpu")))
-        self._dp = DataParallel(process_group, self._buffer, self._params,
-                                independent_ranks=cfg.independent_ranks)
+        self._dp = DataParallel(self, process_group, independent_ranks=cfg.independent_ranks,
+                                ddp=ddp)
         setattr(optimizer, _OWNER_ATTR, weakref.ref(self))
 
     def _build(self, params: list[torch.Tensor]) -> None:
@@ -238,6 +238,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"weight must be finite and positive, got {value}")
         self._window.weights.append(value)
+        self._dp.weight_added()  # DDP: a weight after the sync's agreement is agreed at step()
         if self._window.complete and not self._dp.active:
             self._normalise(self._target_divisor(None))
 
@@ -251,7 +252,9 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         if not kept:
             self._nonfinite.skipped_microbatches += 1
             self._scaler.update(found_inf=True)
-        if self._window.complete and not self._dp.active and self._window.kept:
+        if self._dp.end_backward():
+            pass  # DDP synced this backward: the window is averaged, agreed on and normalised
+        elif self._window.complete and not self._dp.active and self._window.kept:
             self._seal()  # N known and reached: show the window as the step will use it
 
     def _bucket_moved(self, bucket: Bucket) -> None:

@@ -91,11 +91,16 @@ class StepMixin:
         """What the window's gradient sum is divided by (over all ranks with process_group)."""
         w = self._window
         if self.config.reduction == "sum":  # data parallel: the average over ranks, like DDP
-            return float(totals.world) if totals else 1.0
-        if self.config.reduction == "mean":
-            return float(totals.kept if totals else w.kept)
-        total = totals.weight if totals else w.local_weight()
-        return total if total > 0 else None
+            target = float(totals.world) if totals else 1.0
+        elif self.config.reduction == "mean":
+            target = float(totals.kept if totals else w.kept)
+        else:
+            target = totals.weight if totals else w.local_weight()
+            if not target > 0:
+                return None
+        if totals is not None and totals.averaged:  # DDP averaged (not summed) the window
+            target /= totals.world
+        return target
 
     def _zero_untouched(self) -> None:
         """Views without data of this window hold an earlier one's: zero them, so norms,

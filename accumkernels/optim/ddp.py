@@ -1,0 +1,79 @@
+"""DistributedDataParallel reduces the wrapper's fp32 window: a DDP communication hook.
+
+How DDP's reducer (torch/csrc/distributed/c10d/reducer.cpp, torch 2.13) meets the wrapper:
+
+* The reducer's hook on each param is a post hook of the param's AccumulateGrad node; it runs
+  *after* the param's post-accumulate-grad hooks (the wrapper's), and only on a sync backward
+  (``no_sync``/``require_backward_grad_sync=False`` backwards return early). It copies what
+  ``p.grad`` holds then into DDP's bucket (in the param dtype; an fp32 ``.grad`` on a bf16
+  param is an error, "Expected BFloat16, got Float"), or zeros the slot if ``p.grad`` is None.
+* When a bucket is complete it calls the comm hook (or its own all-reduce), in bucket order,
+  the same on every rank; at the end of the backward (a final callback it queued during the
+  backward) it waits for the hook's future and writes the result into every ``p.grad``.
+* The wrapper moves each gradient into its window and releases ``p.grad`` before DDP's hook
+  sees it, so without this hook DDP reduces zeros (and a few not-yet-moved gradients), writes
+  them into ``p.grad``, and the wrapper shows its rank-local window again: ranks diverge.
+
+With :func:`ddp_comm_hook` registered, a sync backward makes DDP call it per bucket; it moves
+the bucket's pending gradients into the window and averages the fp32 window slices of those
+params over DDP's process group (divide by the world size, then sum, as DDP does), overlapped
+with the rest of the backward. DDP's own bf16/fp32 bucket is not sent. The wrapper's end of
+backward runs after DDP's, so ``p.grad`` then shows the reduced window, and DDP's writes are
+dropped. Averaging is idempotent on what ranks already agree on (R + g_r averages to
+R + mean(g)), so a backward that syncs every micro-batch is as exact as ``no_sync`` cadence.
+"""
+
+import torch
+import torch.distributed as dist
+
+from accumkernels.slot import get_slot
+
+__all__ = ["ddp_comm_hook", "register"]
+
+
+def ddp_comm_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
+                  ) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average the ``AccumulatingOptimizer``'s fp32 window, not
+    DDP's micro-batch bucket, for the params it manages.
+
+    Register it on the DDP module when the wrapper was built before it (Accelerate's
+    ``prepare``, the HF Trainer)::
+
+        ddp_model.register_comm_hook(None, accumkernels.ddp_comm_hook)
+
+    (``process_group`` None means the default group, like torch's ``allreduce_hook``.)
+    ``AccumulatingOptimizer(..., model=ddp_model)`` registers it itself. Params of the bucket
+    that no wrapper manages are averaged the native way.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    owners: dict[int, tuple[object, list[torch.Tensor]]] = {}
+    native = False
+    for p in bucket.parameters():
+        slot = get_slot(p)
+        owner = slot.owner if slot is not None else None
+        if owner is None or not hasattr(owner, "_dp"):
+            native = True
+            continue
+        owners.setdefault(id(owner), (owner, []))[1].append(p)
+    futures = [owner._dp.ddp_reduce(params, group) for owner, params in owners.values()]
+    buffer = bucket.buffer()
+    if native:  # DDP's own semantics for the rest: average the bucket (DDP writes it back)
+        buffer.div_(dist.get_world_size(group))
+        futures.append(dist.all_reduce(buffer, group=group, async_op=True).get_future())
+    if not futures:
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+    # DDP copies the returned tensor into p.grad; the wrapper shows its window afterwards.
+    return torch.futures.collect_all(futures).then(lambda _: buffer)
+
+
+def register(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Register :func:`ddp_comm_hook` on ``ddp`` (for ``AccumulatingOptimizer(model=ddp)``)."""
+    try:
+        ddp.register_comm_hook(ddp.process_group, ddp_comm_hook)
+    except RuntimeError as exc:
+        raise ValueError(
+            "model=: this DistributedDataParallel module already has a communication hook (DDP "
+            "allows one); the wrapper needs accumkernels.ddp_comm_hook to reduce its fp32 "
+            f"window. Build a DDP module without one. ({exc})") from exc
