@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import numbers
+import os
 
 import torch
 
@@ -40,3 +43,18 @@ def finite_positive(name: str, value: object) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive number, got {value}")
     return value
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether Triton kernels can run on ``device``: Triton is installed and the device is a GPU,
+    or the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, for tests)."""
+    if not _triton_installed():
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"

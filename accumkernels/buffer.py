@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accumkernels.ops import accumulate_
+from accumkernels.ops import LaunchPlan, accumulate_
 
 __all__ = ["Bucket", "MasterGradBuffer"]
 
@@ -25,7 +25,16 @@ class Bucket:
     params: list[torch.Tensor]
     views: list[torch.Tensor]
     flat: torch.Tensor  # the bucket's range of the device buffer, padding included
-    positions: dict[int, int] = field(default_factory=dict)  # id(param) -> index in params
+    _plans: dict[str, LaunchPlan] = field(default_factory=dict, repr=False, compare=False)
+
+    def plan(self, backend: str = "auto") -> LaunchPlan:
+        """The launch plan of this bucket's views (built on first use, then kept): the views'
+        side is checked once, so a launch checks only the gradients."""
+        plan = self._plans.get(backend)
+        if plan is None:
+            plan = LaunchPlan(self.views, keys=self.params, owner=self.flat, backend=backend)
+            self._plans[backend] = plan
+        return plan
 
 
 class MasterGradBuffer:
@@ -101,7 +110,6 @@ class MasterGradBuffer:
         bucket = Bucket(len(self.buckets), device, [], [], flat[start:end])
         for p, off in members:
             view = flat[off:off + p.numel()].view(p.shape)
-            bucket.positions[id(p)] = len(bucket.params)
             bucket.params.append(p)
             bucket.views.append(view)
             self._views[id(p)] = view
@@ -145,7 +153,18 @@ class MasterGradBuffer:
     ) -> None:
         """One fused launch: ``view(p) = (0 if overwrite else view(p)) + scale * grad``.
 
-        The wrapper passes the params of one bucket, so a launch covers one contiguous range.
+        Params of one bucket (all or some, in any order: what the wrapper passes) launch through
+        the bucket's plan, which checks only the gradients; params of several buckets take the
+        general ``accumulate_``.
         """
-        accumulate_([self._views[id(p)] for p in params], grads, scale, overwrite=overwrite,
+        if params:
+            bucket = self._bucket_of.get(id(params[0]))
+            if bucket is not None:
+                try:
+                    bucket.plan(backend)(grads, scale, keys=params, overwrite=overwrite,
+                                         found_inf=found_inf)
+                    return
+                except KeyError:  # not all in this bucket: nothing was written
+                    pass
+        accumulate_([self.view(p) for p in params], grads, scale, overwrite=overwrite,
                     found_inf=found_inf, backend=backend)

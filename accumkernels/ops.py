@@ -1,22 +1,32 @@
-"""The public op ``accumulate_``: validation, backend dispatch, torch.library registration.
+"""The public op ``accumulate_``: argument checks, backend dispatch, torch.library registration.
 
-``accumulate_`` checks every argument before anything is written, resolves the backend, and
-calls the custom op ``torch.ops.accumkernels.accumulate_``, whose schema declares that it
-mutates ``dst`` and ``found_inf`` (so torch.compile and functionalisation treat it correctly).
+Eager calls go straight to the backend. With the compiled extension, one C++ call checks every
+tensor (dtype, shape, device, contiguity, memory overlap, the autograd rules of in-place ops),
+bumps the version counters of what it writes and runs the kernel (csrc/tensor_calls.cpp); other
+backends get the same checks first; the Python rules in ``backends/validate.py`` take over
+wherever that reader cannot look (tensor subclasses, no extension).
+
+Under tracing (torch.compile, FakeTensorMode, make_fx, functorch) the call goes through the custom
+op ``torch.ops.accumkernels.accumulate_``, whose schema declares that it mutates ``dst`` and
+``found_inf``. Its fake implementation checks what needs no data (shapes, dtypes, devices); its
+real implementation is the eager path, so compiled code gets the same memory checks as eager.
 """
 
 from __future__ import annotations
 
-import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 
 from accumkernels import backends
+from accumkernels.backends import native, validate
+from accumkernels.backends.validate import CHECK_AUTOGRAD, CHECK_INFERENCE, fail
 
-__all__ = ["accumulate_", "available_backends"]
+__all__ = ["LaunchPlan", "accumulate_", "available_backends"]
 
-SRC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The smallest double that float32 rounds to inf: a finite Python scale at or above it is not.
+_FP32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -34,95 +44,59 @@ def _accumulate_op(
     found_inf: torch.Tensor | None,
     backend: str,
 ) -> None:
-    _accumulate_impl(dst, src, scale, scale_tensor, overwrite, found_inf, backend)
-
-
-def _accumulate_impl(dst, src, scale, scale_tensor, overwrite, found_inf, backend) -> None:
-    # Empty tensors carry no work; dropping them here keeps every backend branch-free.
-    if not all(d.numel() for d in dst):
-        pairs = [(d, x) for d, x in zip(dst, src) if d.numel() > 0]
-        if not pairs:
-            return
-        dst, src = (list(t) for t in zip(*pairs))
-    backends.get(backend).accumulate(dst, src, scale, scale_tensor, overwrite, found_inf)
+    if dst:
+        _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, dst[0].device)
 
 
 @_accumulate_op.register_fake
 def _accumulate_fake(dst, src, scale, scale_tensor, overwrite, found_inf, backend) -> None:
-    return None
+    validate.check_shapes(dst, src, scale_tensor, found_inf)  # no data: nothing else to check
 
 
-def _fail(kind: type[Exception], message: str) -> None:
-    raise kind(f"accumulate_: {message}")
-
-
-def _check_tensor_list(name: str, tensors: object) -> list[torch.Tensor]:
+def _as_list(name: str, tensors: object) -> Sequence:
+    if type(tensors) is list or type(tensors) is tuple:
+        return tensors
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        _fail(TypeError, f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            _fail(TypeError, f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        fail(TypeError, f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     return list(tensors)
 
 
-def _pairs_ok(dst: list[torch.Tensor], src: list[torch.Tensor], device: torch.device) -> bool:
-    """All checks of _check_pairs, one property per pass: the fast path for valid input."""
-    strided, f32 = torch.strided, torch.float32
-    return (
-        all(d.layout is strided for d in dst) and all(x.layout is strided for x in src)
-        and all(d.dtype is f32 for d in dst) and all(x.dtype in SRC_DTYPES for x in src)
-        and all(d.shape == x.shape for d, x in zip(dst, src))
-        and all(d.device == device for d in dst) and all(x.device == device for x in src)
-        and all(d.is_contiguous() for d in dst) and all(x.is_contiguous() for x in src)
-    )
+def _scale_arg(scale: object) -> tuple[float, torch.Tensor | None]:
+    """(float scale, scale tensor or None); any real number, finite in float32."""
+    if isinstance(scale, torch.Tensor):
+        return 1.0, scale
+    if type(scale) is not float:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            fail(TypeError, f"scale must be a float or a float32 tensor, got {type(scale).__name__}")
+        try:
+            value = float(scale)  # numpy and other real scalars
+        except OverflowError:
+            value = float("inf")
+    else:
+        value = scale
+    if not -_FP32_OVERFLOW < value < _FP32_OVERFLOW:  # NaN fails too
+        fail(ValueError, f"scale must be finite in float32, got {scale!r}")
+    return value, None
 
 
-def _check_pairs(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    device = dst[0].device
-    if _pairs_ok(dst, src, device):
-        return
-    for i, (d, x) in enumerate(zip(dst, src)):  # find and name the first offender
-        if d.layout != torch.strided or x.layout != torch.strided:
-            which = "dst" if d.layout != torch.strided else "src"
-            _fail(TypeError, f"{which}[{i}] is sparse ({(d if which == 'dst' else x).layout}); "
-                  "only dense (strided) tensors are supported")
-        if d.dtype != torch.float32:
-            _fail(TypeError, f"dst[{i}] has dtype {d.dtype}; expected torch.float32")
-        if x.dtype not in SRC_DTYPES:
-            _fail(TypeError, f"src[{i}] has dtype {x.dtype}; expected float32, bfloat16 or float16")
-        if d.shape != x.shape:
-            _fail(ValueError, f"src[{i}] has shape {tuple(x.shape)} but dst[{i}] has shape "
-                  f"{tuple(d.shape)}")
-        if d.device != device:
-            _fail(ValueError, f"dst[{i}] is on {d.device} but dst[0] is on {device}; "
-                  "all tensors of one call must be on one device")
-        if x.device != device:
-            _fail(ValueError, f"src[{i}] is on {x.device} but dst[{i}] is on {device}")
-        if not d.is_contiguous():
-            _fail(ValueError, f"dst[{i}] is not contiguous")
-        if not x.is_contiguous():
-            _fail(ValueError, f"src[{i}] is not contiguous")
+def _check_call(src: object, overwrite: object, scale: object,
+                found_inf: object) -> tuple[Sequence, float, torch.Tensor | None]:
+    """The checks every launch makes on its non-tensor arguments."""
+    src = _as_list("src", src)
+    if overwrite is not True and overwrite is not False:
+        fail(TypeError, f"overwrite must be a bool, got {type(overwrite).__name__}")
+    value, scale_tensor = _scale_arg(scale)
+    if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+        fail(TypeError, f"found_inf must be a tensor or None, got {type(found_inf).__name__}")
+    return src, value, scale_tensor
 
 
-def _check_dst_aliasing(dst: list[torch.Tensor]) -> None:
-    """No two dst may share memory: one kernel writes them all, in no particular order."""
-    spans = sorted(
-        (d.data_ptr(), d.data_ptr() + d.numel() * d.element_size(), i)
-        for i, d in enumerate(dst)
-        if d.numel() > 0
-    )
-    for (_, end_a, i), (start_b, _, j) in zip(spans, spans[1:]):
-        if start_b < end_a:
-            i, j = sorted((i, j))
-            _fail(ValueError, f"dst[{j}] overlaps dst[{i}] in memory; each dst must be distinct")
-
-
-def _check_device_scalar(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.dtype != torch.float32 or t.numel() != 1:
-        _fail(TypeError, f"{name} must be a 1-element float32 tensor, got dtype {t.dtype} with "
-              f"{t.numel()} elements")
-    if t.device != device:
-        _fail(ValueError, f"{name} is on {t.device} but the tensors are on {device}")
+def _check_backend(backend: object) -> None:
+    if not isinstance(backend, str):
+        fail(TypeError, f"backend must be a string, got {type(backend).__name__}")
+    if backend != "auto" and backend not in backends.BACKENDS:
+        fail(ValueError, f"unknown backend {backend!r}; choose from 'auto', "
+             + ", ".join(repr(b) for b in backends.BACKENDS))
 
 
 def accumulate_(
@@ -136,54 +110,144 @@ def accumulate_(
 ) -> None:
     """In place, in fp32: ``dst[i] = (0 if overwrite else dst[i]) + scale * float32(src[i])``.
 
-    One fused launch for the whole list (per src dtype on Triton). ``scale`` is a Python float or
+    One fused launch for the whole list (per src dtype on Triton). ``scale`` is a real number or
     a 1-element float32 tensor on the device (read by the kernel: no host sync). ``found_inf``,
     if given, is a 1-element float32 tensor set to 1.0 when any ``src`` element is inf/NaN
     (never reset; ``dst`` is written all the same). Every argument is validated before anything
     is written; errors name the offending index.
     """
-    dst = _check_tensor_list("dst", dst)
-    src = _check_tensor_list("src", src)
+    dst = _as_list("dst", dst)
+    src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf)
     if len(dst) != len(src):
-        _fail(ValueError, f"dst has {len(dst)} tensors but src has {len(src)}")
-    if not isinstance(backend, str):
-        _fail(TypeError, f"backend must be a string, got {type(backend).__name__}")
-    if backend != "auto" and backend not in backends.BACKENDS:
-        _fail(ValueError, f"unknown backend {backend!r}; choose from 'auto', "
-              + ", ".join(repr(b) for b in backends.BACKENDS))
-    if not isinstance(overwrite, bool):
-        _fail(TypeError, f"overwrite must be a bool, got {type(overwrite).__name__}")
-
-    scale_tensor = None
-    if isinstance(scale, torch.Tensor):
-        scale_tensor, scale = scale, 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        _fail(TypeError, f"scale must be a float or a float32 tensor, got {type(scale).__name__}")
-    elif not math.isfinite(scale):
-        _fail(ValueError, f"scale must be finite, got {scale}")
-    if found_inf is not None and not isinstance(found_inf, torch.Tensor):
-        _fail(TypeError, f"found_inf must be a tensor or None, got {type(found_inf).__name__}")
+        fail(ValueError, f"dst has {len(dst)} tensors but src has {len(src)}")
+    _check_backend(backend)
     if not dst:
         return
-
-    _check_pairs(dst, src)
-    device = dst[0].device
-    if scale_tensor is not None:
-        _check_device_scalar("scale", scale_tensor, device)
-    if found_inf is not None:
-        _check_device_scalar("found_inf", found_inf, device)
-    if not torch.compiler.is_compiling():  # data_ptr() is not traceable
-        _check_dst_aliasing(dst)
+    first = dst[0]
+    if not isinstance(first, torch.Tensor):
+        fail(TypeError, f"dst[0] must be a torch.Tensor, got {type(first).__name__}")
+    device = first.device
     name = backends.resolve(backend, device)
-    if _plain_eager():  # nothing to trace or functionalise: skip the dispatcher's per-call cost
-        _accumulate_impl(dst, src, float(scale), scale_tensor, overwrite, found_inf, name)
-    else:
-        torch.ops.accumkernels.accumulate_(
-            dst, src, float(scale), scale_tensor, overwrite, found_inf, name
-        )
+    if _plain_eager():
+        _run(dst, src, value, scale_tensor, overwrite, found_inf, name, device)
+    else:  # tracing: check what needs no data now; the op's real kernel checks the rest
+        validate.check_shapes(dst, src, scale_tensor, found_inf)
+        torch.ops.accumkernels.accumulate_(list(dst), list(src), value, scale_tensor, overwrite,
+                                           found_inf, name)
+
+
+def _flags() -> int:
+    """Which autograd rules of in-place ops apply now."""
+    return ((CHECK_AUTOGRAD if torch.is_grad_enabled() else 0)
+            | (0 if torch.is_inference_mode_enabled() else CHECK_INFERENCE))
+
+
+def _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, device) -> None:
+    """The op on real tensors: check everything, bump versions, compute."""
+    if device.type == "meta":  # no data: check what can be checked, write nothing
+        validate.check_shapes(dst, src, scale_tensor, found_inf)
+        return
+    flags = _flags()
+    if native.READER:
+        failed = native.run(dst, src, scale, scale_tensor, overwrite, found_inf, flags, backend,
+                            device)
+        if failed is None:
+            if backend not in native.KERNELS:  # checked and bumped; the backend computes
+                _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend)
+            return
+        if failed[0] != "slow":
+            validate.raise_failure(failed, dst, src, scale_tensor, found_inf)
+    # The portable path: the same rules in Python.
+    validate.check_all(dst, src, scale_tensor, found_inf, flags)
+    torch._C._increment_version(dst)
+    if found_inf is not None:
+        torch._C._increment_version((found_inf,))
+    _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend)
+
+
+def _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend) -> None:
+    # Empty tensors carry no work; dropping them here keeps every backend branch-free.
+    if not all(d.numel() for d in dst):
+        pairs = [(d, x) for d, x in zip(dst, src) if d.numel() > 0]
+        if not pairs:
+            return
+        dst, src = (list(t) for t in zip(*pairs))
+    backends.get(backend).accumulate(dst, src, scale, scale_tensor, overwrite, found_inf)
 
 
 def _plain_eager() -> bool:
     """No compiler, dispatch mode (FakeTensorMode, make_fx) or functorch transform is active."""
     return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
                 or torch._C._are_functorch_transforms_active())
+
+
+class LaunchPlan:
+    """``accumulate_`` into a fixed list of dst tensors, checked once; launches check only src.
+
+    The dst side (dtypes, devices, contiguity, no overlap, sizes) is read and checked when the
+    plan is built, so a launch reads each src once and makes one call into the extension. Give
+    ``keys`` (objects naming each dst, e.g. the params the dst belong to) to launch on a subset
+    of the dst in any order; give ``owner`` (a tensor every dst is a view of) to bump one
+    version counter per launch instead of one per dst. The dst tensors must keep their storage
+    and shape while the plan is used (the plan holds them). Without the extension's tensor
+    reader, or for backends other than ``cpu``/``cuda``, a launch is a plain ``accumulate_``.
+    """
+
+    def __init__(self, dst: Sequence[torch.Tensor], *, keys: Sequence | None = None,
+                 owner: torch.Tensor | None = None, backend: str = "auto"):
+        dst = list(_as_list("dst", dst))
+        _check_backend(backend)
+        if keys is not None:
+            keys = list(keys)
+            if len(keys) != len(dst) or len({id(k) for k in keys}) != len(keys):
+                raise ValueError("LaunchPlan: keys must name each dst once")
+        for i, d in enumerate(dst):
+            validate.check_dst(i, d, dst[0].device)
+        self.dst, self.keys, self.owner = dst, keys, owner
+        self.device = dst[0].device if dst else torch.device("cpu")
+        self.backend = backends.resolve(backend, self.device)
+        self._slot_of: dict[int, int] | None = None
+        self._native = None
+        if native.READER and self.backend in native.KERNELS and dst:
+            inference = owner.is_inference() if owner is not None else any(
+                d.is_inference() for d in dst)
+            plan = native.make_plan(dst, keys, owner, inference)
+            if isinstance(plan, tuple):
+                if plan[0] != "slow":
+                    validate.raise_failure(plan, dst, dst, None, None)
+            else:
+                self._native = plan
+
+    def __len__(self) -> int:
+        return len(self.dst)
+
+    def __call__(self, src: Sequence[torch.Tensor], scale: float | torch.Tensor = 1.0, *,
+                 keys: Sequence | None = None, overwrite: bool = False,
+                 found_inf: torch.Tensor | None = None) -> None:
+        """``dst_k = (0 if overwrite else dst_k) + scale * src[k]`` where ``dst_k`` is the dst of
+        ``keys[k]`` (without keys: ``dst[k]``, and src covers every dst). A key that is not one of
+        the plan's raises KeyError (before anything is written)."""
+        src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf)
+        if keys is not None and len(keys) != len(src):
+            fail(ValueError, f"dst has {len(keys)} tensors but src has {len(src)}")
+        if keys is None and len(src) != len(self.dst):
+            fail(ValueError, f"dst has {len(self.dst)} tensors but src has {len(src)}")
+        if self._native is not None and _plain_eager():
+            failed = native.run_plan(self._native, keys, src, value, scale_tensor, overwrite,
+                                     found_inf, _flags(), self.backend, self.device)
+            if failed is None:
+                return
+            if failed[0] not in ("slow", "not_member"):
+                validate.raise_failure(failed, self._select(keys), src, scale_tensor, found_inf)
+        accumulate_(self._select(keys), src, scale, overwrite=overwrite, found_inf=found_inf,
+                    backend=self.backend)
+
+    def _select(self, keys: Sequence | None) -> list[torch.Tensor]:
+        if keys is None:
+            return self.dst
+        if self._slot_of is None:
+            self._slot_of = {id(k): i for i, k in enumerate(self.keys or ())}
+        try:
+            return [self.dst[self._slot_of[id(k)]] for k in keys]
+        except KeyError:
+            raise KeyError("LaunchPlan: a key is not one of this plan's keys") from None

@@ -40,6 +40,12 @@ struct AccumulateArgs {
 // (<= 0: the OpenMP default). Blocking; safe to call without the GIL.
 void accumulate_cpu(const AccumulateArgs& args, int num_threads);
 
+// Elements per call below which accumulate_cpu runs on the calling thread (waking a thread team
+// costs more than it saves there). The setter returns the previous value; benchmarks use it to
+// measure the crossover.
+int64_t cpu_parallel_threshold();
+int64_t set_cpu_parallel_threshold(int64_t elements);
+
 // Which SIMD path the CPU kernel picked at run time, e.g. "avx2+fma+f16c" or "generic".
 std::string cpu_simd_name();
 bool cpu_has_openmp();

@@ -33,8 +33,10 @@ namespace {
 // across all cores and the last chunks balance out.
 constexpr int64_t kChunkElems = int64_t{1} << 16;
 // Below this many elements in total, run on the calling thread: waking a thread team costs
-// a few microseconds, about what 256K elements take on one core.
+// a few microseconds, about what 256K elements take on one core. (Adjustable at run time for
+// measuring the crossover; see set_cpu_parallel_threshold.)
 constexpr int64_t kSerialBelow = int64_t{1} << 18;
+std::atomic<int64_t> g_serial_below{kSerialBelow};
 
 constexpr uint32_t kF32ExpMask = 0x7f800000u;
 
@@ -202,6 +204,13 @@ struct Chunk {
 
 std::string cpu_simd_name() { return kernels().name; }
 
+int64_t cpu_parallel_threshold() { return g_serial_below.load(std::memory_order_relaxed); }
+
+int64_t set_cpu_parallel_threshold(int64_t elements) {
+  if (elements < 0) throw std::invalid_argument("cpu parallel threshold must be >= 0");
+  return g_serial_below.exchange(elements, std::memory_order_relaxed);
+}
+
 bool cpu_has_openmp() {
 #if defined(_OPENMP)
   return true;
@@ -234,7 +243,7 @@ void accumulate_cpu(const AccumulateArgs& args, int num_threads) {
   num_threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(num_threads), num_chunks));
 
   uint32_t bad = 0;
-  if (total < kSerialBelow || num_threads <= 1) {
+  if (total < g_serial_below.load(std::memory_order_relaxed) || num_threads <= 1) {
     for (size_t i = 0; i < args.num_tensors; ++i)
       if (t[i].numel > 0) bad |= k.run[t[i].dtype][ow](t[i].dst, t[i].src, t[i].numel, scale);
   } else {

@@ -1,8 +1,9 @@
-// pybind11 module accumkernels._C: raw pointers as Python ints, no libtorch.
+// pybind11 module accumkernels._C, no libtorch.
 //
-// The Python op layer validates tensors (dtype, shape, device, contiguity, aliasing) and passes
-// data_ptr() values; here we only convert the lists quickly and reject obviously broken
-// arguments (std::invalid_argument -> ValueError).
+// Two ways in: `accumulate_tensors` / `Plan` take the tensors themselves and check them in C++
+// (tensor_calls.h, the fast path of accumkernels.ops); `accumulate_cpu` / `accumulate_cuda` take
+// raw pointers as Python ints, for callers that validated the tensors themselves (the portable
+// path). Both keep the kernels' guards that protect memory (std::invalid_argument -> ValueError).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,6 +12,8 @@
 #include <vector>
 
 #include "accumulate.h"
+#include "tensor_calls.h"
+#include "torch_api.h"
 
 namespace py = pybind11;
 namespace ak = accumkernels;
@@ -62,18 +65,12 @@ std::vector<ak::TensorPair> make_pairs(py::handle dst_ptrs, py::handle src_ptrs,
         "accumulate: dst_ptrs, src_ptrs, numels and src_dtypes must have the same length (got " +
         std::to_string(n) + ", " + std::to_string(src.size()) + ", " +
         std::to_string(num.size()) + ", " + std::to_string(dt.size()) + ")");
+  // Numel, dtype code and null checks are the kernels' own guards (accumulate_cpu/_cuda).
   std::vector<ak::TensorPair> pairs(n);
-  auto fail = [](const std::string& what, size_t i) {
-    throw std::invalid_argument("accumulate: " + what + " at index " + std::to_string(i));
-  };
   for (size_t i = 0; i < n; ++i) {
-    if (num[i] < 0) fail("negative numel", i);
-    if (dt[i] < ak::kFloat32 || dt[i] > ak::kFloat16)
-      fail("unknown src dtype code " + std::to_string(dt[i]), i);
-    if (num[i] > 0 && (dst[i] == 0 || src[i] == 0)) fail("null data pointer", i);
     pairs[i] = {reinterpret_cast<float*>(static_cast<uintptr_t>(dst[i])),
                 reinterpret_cast<const void*>(static_cast<uintptr_t>(src[i])), num[i],
-                static_cast<int32_t>(dt[i])};
+                dt[i] == static_cast<int32_t>(dt[i]) ? static_cast<int32_t>(dt[i]) : -1};
   }
   return pairs;
 }
@@ -122,6 +119,67 @@ PYBIND11_MODULE(_C, m) {
         return info;
       },
       "What was compiled in: CUDA (archs, runtime version), OpenMP, the CPU SIMD path in use.");
+
+  m.def(
+      "init_torch_api",
+      [](py::handle tensor_type, py::handle parameter_type, const std::string& library,
+         py::handle increment_version) {
+        std::string why;
+        ak::set_increment_version(increment_version);
+        const bool ok = ak::torch_api_init(tensor_type.ptr(), parameter_type.ptr(), library, &why);
+        return py::make_tuple(ok, why);
+      },
+      "Switch the tensor reader on (torch's C shim in `library`); returns (ok, why not).");
+  m.def("disable_torch_api", &ak::torch_api_disable, "Switch the tensor reader off.");
+  m.def(
+      "find_impl_offset", [](py::handle samples) { return ak::torch_api_find_impl_offset(samples.ptr()); },
+      "Read TensorImpl pointers at the offset where every sample's `_cdata` is found (0: none).");
+  m.def("torch_api_ready", &ak::torch_api_ready, "Whether the tensor reader is on.");
+  m.def(
+      "tensor_meta",
+      [](py::handle t) -> py::object {
+        ak::TensorMeta m{};
+        if (!ak::read_meta(t.ptr(), m)) return py::none();
+        py::tuple sizes(m.ndim);
+        for (int64_t k = 0; k < m.ndim; ++k) sizes[k] = m.sizes[k];
+        return py::make_tuple(m.data, sizes, m.numel, m.dtype, m.device_type, m.device_index,
+                              m.contiguous);
+      },
+      "What the reader sees: (data_ptr, sizes, numel, dtype code or -1, device type, device "
+      "index, contiguous), or None when it cannot read `t`.");
+
+  m.def(
+      "accumulate_tensors",
+      [](py::handle dst, py::handle src, double scale, py::handle scale_tensor, bool overwrite,
+         py::handle found_inf, int flags, int kernel, int num_threads, uint64_t stream,
+         int device) {
+        const ak::CallOptions o{scale, scale_tensor, overwrite, found_inf, flags,
+                                kernel, num_threads, stream, device};
+        return ak::accumulate_tensors(dst, src, o);
+      },
+      "Check and run dst[i] = (0 if overwrite else dst[i]) + scale * float32(src[i]) on tensor "
+      "lists. None on success, else (code, i, j) and nothing written.");
+
+  py::class_<ak::Plan>(m, "Plan", "A fixed dst list checked once; launches read only src.")
+      .def_static("create", &ak::Plan::create, py::arg("dst"), py::arg("keys"), py::arg("owner"),
+                  py::arg("inference"),
+                  "A Plan for `dst`, or (code, i, j) if dst breaks a rule.")
+      .def(
+          "run",
+          [](ak::Plan& plan, py::handle keys, py::handle src, double scale,
+             py::handle scale_tensor, bool overwrite, py::handle found_inf, int flags, int kernel,
+             int num_threads, uint64_t stream, int device) {
+            const ak::CallOptions o{scale, scale_tensor, overwrite, found_inf, flags,
+                                    kernel, num_threads, stream, device};
+            return plan.run(keys, src, o);
+          },
+          "Like accumulate_tensors for src[k] -> the dst of keys[k] (keys None: dst[k]).")
+      .def("__len__", &ak::Plan::size);
+
+  m.def("cpu_parallel_threshold", &ak::cpu_parallel_threshold,
+        "Elements per call below which the CPU kernel runs on the calling thread.");
+  m.def("set_cpu_parallel_threshold", &ak::set_cpu_parallel_threshold, py::arg("elements"),
+        "Override that threshold (benchmarks measure the crossover with it); returns the old one.");
 
   m.def(
       "accumulate_cpu",

@@ -46,11 +46,22 @@ def available_backends(device: torch.device | str) -> list[str]:
     return usable
 
 
-# Availability depends only on the process (what is built/installed), so torch.compile may
-# treat the answer as a constant instead of tracing imports.
+# (name, device) -> backend: availability depends only on the process (what is built and
+# installed), so the answer is kept, and torch.compile may treat it as a constant.
+_RESOLVED: dict[tuple[str, torch.device], str] = {}
+
+
 @torch.compiler.assume_constant_result
 def resolve(name: str, device: torch.device) -> str:
     """Map ``"auto"`` to the fastest backend on ``device``; check an explicit name is usable."""
+    key = (name, device)
+    found = _RESOLVED.get(key)
+    if found is None:
+        found = _RESOLVED[key] = _resolve(name, device)
+    return found
+
+
+def _resolve(name: str, device: torch.device) -> str:
     if name == "auto":
         for candidate in _AUTO_ORDER.get(device.type, ("torch",)):
             if is_available(candidate, device):

@@ -1,10 +1,20 @@
 """Loader for the compiled module ``accumkernels._C``: the ``cpu`` and ``cuda`` backends.
 
-The extension takes raw addresses, element counts and dtype codes (it does not link
-libtorch), so this module turns tensor lists into those.
+The extension does not link libtorch. It is reached two ways:
+
+* the fast path (``run``, ``make_plan``): ``_C`` receives the tensors themselves and reads their
+  metadata through torch's stable C shim (see csrc/torch_api.h), checks every rule, bumps version
+  counters and launches, in one call. It is switched on at import if the shim is found and a
+  self-test agrees with torch's own attributes (``READER``, ``READER_NOTE`` say how it went;
+  ``ACCUMKERNELS_TENSOR_READER=python`` switches it off);
+* the portable path (``accumulate``): tensors already checked in Python, passed as raw addresses,
+  element counts and dtype codes.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 
@@ -16,7 +26,12 @@ except ImportError as exc:  # not built: only the torch/triton backends are usab
 else:
     IMPORT_ERROR = None
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# dtype -> the extension's source dtype code (exported by _C itself)
+DTYPE_CODES: dict[torch.dtype, int] = {} if _C is None else {
+    torch.float32: _C.DTYPE_FLOAT32, torch.bfloat16: _C.DTYPE_BFLOAT16,
+    torch.float16: _C.DTYPE_FLOAT16}
+
+KERNELS = {"cpu": 1, "cuda": 2}  # backend -> KernelKind of csrc/tensor_calls.h (0: check only)
 
 
 def is_available(device: torch.device) -> bool:
@@ -27,6 +42,106 @@ def is_available(device: torch.device) -> bool:
     return device.type == "cuda" and _C.has_cuda() and torch.cuda.is_available()
 
 
+def _torch_libraries() -> list[str]:
+    """Where the loaded libtorch that exports the C shim may be (tried in order)."""
+    lib = Path(torch.__file__).parent / "lib"
+    return [str(lib / name) for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "libtorch.so")]
+
+
+class _Subclass(torch.Tensor):
+    """Subclasses may report anything: the reader must leave them to Python."""
+
+
+def _self_test() -> str | None:
+    """Compare what the reader sees with torch's attributes on varied tensors; None if all agree."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    samples = [base, base.t(), base[1:3], base.bfloat16().t()[1:], base.half()[2],
+               torch.nn.Parameter(base.clone()), torch.empty(0, 3), torch.tensor(1.5)]
+    codes = DTYPE_CODES
+    devices = set()
+    for t in samples:
+        meta = _C.tensor_meta(t)
+        want = (t.data_ptr(), tuple(t.shape), t.numel(), codes.get(t.dtype, -1), t.is_contiguous())
+        if meta is None or (meta[0], tuple(meta[1]), meta[2], meta[3], meta[6]) != want \
+                or meta[5] != -1:
+            return f"reader saw {meta} for a tensor with {want}"
+        devices.add(meta[4])
+    if len(devices) != 1:
+        return "device types disagree"
+    if _C.tensor_meta(base.to_sparse()) is not None or _C.tensor_meta(3.0) is not None:
+        return "reader accepted a sparse tensor or a non-tensor"
+    if _C.tensor_meta(base.as_subclass(_Subclass)) is not None:
+        return "reader accepted a tensor subclass"
+    meta = _C.tensor_meta(base.double())
+    if meta is None or meta[3] != -1:
+        return f"reader saw {meta} for a float64 tensor"
+    dst, src = [torch.zeros(3)], [torch.full((3,), 2.0, dtype=torch.bfloat16)]
+    failed = _C.accumulate_tensors(dst, src, 0.25, None, False, None, 0, KERNELS["cpu"], 1, 0, -1)
+    if failed is not None or dst[0].tolist() != [0.5, 0.5, 0.5]:
+        return f"a sample call gave {failed}, {dst[0].tolist()}"
+    return None
+
+
+def _start_reader() -> tuple[bool, str]:
+    if _C is None:
+        return False, f"accumkernels._C is not built ({IMPORT_ERROR})"
+    if os.environ.get("ACCUMKERNELS_TENSOR_READER", "").lower() == "python":
+        return False, "switched off by ACCUMKERNELS_TENSOR_READER=python"
+    why = "no libtorch found"
+    for path in _torch_libraries():
+        ok, why = _C.init_torch_api(torch.Tensor, torch.nn.Parameter, path,
+                                    torch._C._increment_version)
+        if ok:
+            base = torch.zeros(4)
+            _C.find_impl_offset([base, base[1:], torch.ones(2, 3).t(), torch.nn.Parameter(base),
+                                 torch.empty(0, dtype=torch.bfloat16), torch.tensor(1.0)])
+            problem = _self_test()
+            if problem is None:
+                return True, f"torch C shim in {path}"
+            _C.disable_torch_api()
+            return False, f"self-test failed: {problem}"
+    return False, why
+
+
+READER, READER_NOTE = _start_reader()
+
+
+def _stream(device: torch.device) -> int:
+    try:
+        return torch._C._cuda_getCurrentRawStream(device.index)
+    except AttributeError:  # older torch: the same handle through the Stream object
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def _launch_args(backend: str, device: torch.device) -> tuple[int, int, int, int]:
+    """(kernel, num_threads, stream, device index) for the fast path."""
+    kernel = KERNELS.get(backend, 0)
+    if kernel == 1:
+        return kernel, torch.get_num_threads(), 0, -1
+    if kernel == 2:
+        return kernel, 0, _stream(device), device.index
+    return 0, 0, 0, -1
+
+
+def run(dst, src, scale: float, scale_tensor, overwrite: bool, found_inf, flags: int,
+        backend: str, device: torch.device) -> tuple | None:
+    """The fast path: check, bump versions, launch (``backend`` "cpu"/"cuda"; any other: check
+    and bump only). None on success, else (code, i, j) with nothing written."""
+    return _C.accumulate_tensors(dst, src, scale, scale_tensor, overwrite, found_inf, flags,
+                                 *_launch_args(backend, device))
+
+
+def make_plan(dst, keys, owner, inference: bool):
+    """A ``_C.Plan`` for a fixed dst list, or (code, i, j) when the list breaks a rule."""
+    return _C.Plan.create(dst, keys, owner, inference)
+
+
+def run_plan(plan, keys, src, scale: float, scale_tensor, overwrite: bool, found_inf, flags: int,
+             backend: str, device: torch.device) -> tuple | None:
+    return plan.run(keys, src, scale, scale_tensor, overwrite, found_inf, flags,
+                    *_launch_args(backend, device))
+
+
 def accumulate(
     dst: list[torch.Tensor],
     src: list[torch.Tensor],
@@ -35,7 +150,8 @@ def accumulate(
     overwrite: bool,
     found_inf: torch.Tensor | None,
 ) -> None:
-    codes = _DTYPE_CODES
+    """The portable path: already-checked, non-empty lists as raw addresses and sizes."""
+    codes = DTYPE_CODES
     args = (
         [d.data_ptr() for d in dst],
         [x.data_ptr() for x in src],
@@ -50,5 +166,4 @@ def accumulate(
     if device.type == "cpu":
         _C.accumulate_cpu(*args, torch.get_num_threads())
     else:
-        stream = torch.cuda.current_stream(device).cuda_stream
-        _C.accumulate_cuda(*args, stream, device.index)
+        _C.accumulate_cuda(*args, _stream(device), device.index)

@@ -8,9 +8,9 @@ tensors under ``TRITON_INTERPRET=1`` (tests only).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from accumkernels._util import triton_usable
 
 try:
     import triton
@@ -27,11 +27,7 @@ _CAPTURED_TABLES: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def is_available(device: torch.device) -> bool:
-    if triton is None:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and triton_usable(device)
 
 
 if triton is not None:

@@ -1,0 +1,66 @@
+// Reading torch tensors from C++ without linking libtorch.
+//
+// A tensor's metadata (address, sizes, dtype, device, contiguity) is read through torch's stable
+// C shim (the AOTInductor ABI, `aoti_torch_*`), looked up at run time in the libtorch that
+// `import torch` has already loaded; the TensorImpl comes from the tensor's `_cdata`. Reading the
+// same facts through torch's Python attributes costs several times more (each attribute is a
+// ~25-40 ns binding call), and that per-tensor cost is what decides whether a validated
+// 300-tensor call beats torch._foreach_add_.
+//
+// Nothing here is required: when a symbol is missing, or the Python side's self-test (see
+// accumkernels/backends/native.py) finds the shim disagreeing with torch's own attributes, the
+// reader stays off and callers take the portable Python path.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+#include <string>
+
+namespace accumkernels {
+
+struct TensorMeta {
+  uintptr_t data;        // address of the first element (0 for an empty tensor without storage)
+  const int64_t* sizes;  // `ndim` sizes, owned by the tensor: valid while it lives unchanged
+  int64_t ndim;
+  int64_t numel;
+  int32_t dtype;         // DType code (kFloat32, kBFloat16, kFloat16), or -1 for other dtypes
+  int32_t device_type;   // c10::DeviceType value (compare with torch_device_type_cpu(), ...)
+  int32_t device_index;
+  bool contiguous;
+
+  int64_t elem_size() const { return dtype == 0 ? 4 : 2; }  // for the three supported dtypes
+  uintptr_t end() const { return data + static_cast<uintptr_t>(numel * elem_size()); }
+};
+
+// Looks the shim up in `library` (a path to libtorch_cpu, already loaded) and remembers the
+// exact tensor types whose `_cdata` may be read. Returns false (with a reason) if unusable.
+bool torch_api_init(PyObject* tensor_type, PyObject* parameter_type, const std::string& library,
+                    std::string* why);
+void torch_api_disable();
+
+// The TensorImpl pointer normally comes from the `_cdata` getter (a ~40-100 ns Python call).
+// Torch keeps that pointer inside the tensor object at a fixed offset (THPVariable's `cdata`);
+// this finds the offset by matching `_cdata` on every tensor in `samples` and, if exactly one
+// offset matches them all, reads the pointer there from then on (a load instead of a call).
+// Returns the offset used (0: none found, the getter stays in use).
+Py_ssize_t torch_api_find_impl_offset(PyObject* samples);
+bool torch_api_ready();
+int32_t torch_device_type_cpu();
+int32_t torch_device_type_cuda();
+
+// Fills `m` for an exact torch.Tensor or nn.Parameter (subclasses may override what a tensor
+// reports, so they are not read here). Returns false for anything else and on any shim error
+// (sparse, mkldnn, nested tensors ...): the caller then takes the Python path, which names the
+// problem. Never leaves a Python error set.
+bool read_meta(PyObject* obj, TensorMeta& m);
+
+// Whether two tensors have the same sizes.
+inline bool same_sizes(const TensorMeta& a, const TensorMeta& b) {
+  if (a.ndim != b.ndim) return false;
+  for (int64_t k = 0; k < a.ndim; ++k)
+    if (a.sizes[k] != b.sizes[k]) return false;
+  return true;
+}
+
+}  // namespace accumkernels
