@@ -57,13 +57,14 @@ LR = 0.1
 
 # -- nanoGPT + GradScaler --------------------------------------------------------------------------
 
-def test_nanogpt_loop_with_grad_scaler_skips_overflowing_window():
+@pytest.mark.parametrize("accumulation_steps", [N_ACCUM, None])
+def test_nanogpt_loop_with_grad_scaler_skips_overflowing_window(accumulation_steps):
     """nanoGPT's train.py inner loop: autocast forward, loss / N, scaler.scale(loss).backward() per
     micro-step, then scaler.unscale_(opt), clip_grad_norm_(model.parameters(), 1.0),
     scaler.step(opt), scaler.update(), opt.zero_grad(set_to_none=True). One micro-batch of window 1
     has an infinite loss: its window is non-finite, GradScaler skips the step (never calls
-    opt.step()) and halves the scale. The wrapper (accumulation_steps=N) must then start the next
-    window afresh, exactly like native, whose zero_grad dropped the bad window.
+    opt.step()) and halves the scale. The wrapper (accumulation_steps=N or None) must then start
+    the next window afresh, exactly like native, whose zero_grad dropped the bad window.
 
     (Before the issue-9 rewrite, 1a87787, the first backward after the skipped window raised
     "a backward pass started after the window ... was complete".)"""
@@ -85,7 +86,8 @@ def test_nanogpt_loop_with_grad_scaler_skips_overflowing_window():
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
         if wrap:
-            opt = AccumulatingOptimizer(opt, accumulation_steps=n, reduction="sum")
+            opt = AccumulatingOptimizer(opt, accumulation_steps=accumulation_steps,
+                                        reduction="sum")
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
         run, scales = Run(model, opt), []
         for it in range(iters):
