@@ -53,6 +53,31 @@ def mlp(dtype: torch.dtype = torch.float32, *, perturb: bool = False) -> torch.n
     return model.to(dtype)
 
 
+class Reordered(torch.nn.Module):
+    """Registered in another order than the forward uses its layers. DDP rebuilds its buckets
+    in gradient-ready order after the first sync; with REORDERED_BUCKET_MB one of them then
+    holds l3's params and l2's bias, which are not neighbours in the wrapper's buffer (reverse
+    registration order): the hook's gather/scatter path, not the in-place range."""
+
+    def __init__(self, perturb: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = torch.nn.Linear(16, 64)
+        self.l3 = torch.nn.Linear(64, 4)
+        self.l2 = torch.nn.Linear(64, 64)
+        if perturb:
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.add_(0.5)
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+# DDP closes a bucket once it reaches the cap: l3.b + l3.w = 1040 B < cap <= 1296 B (+ l2.b)
+REORDERED_BUCKET_MB = 1200 / 2**20
+
+
 def micro_batch(rank: int, step: int, i: int, dtype: torch.dtype = torch.float32):
     """Rank- and step-specific data: the ranks' gradients differ, so reducing them matters."""
     g = torch.Generator().manual_seed(10_000 * step + 100 * i + rank)
@@ -119,14 +144,14 @@ def _train_plain_ddp(rank: int, variant: str, wrap: bool) -> dict:
     from accumkernels import AccumulatingOptimizer
 
     dtype = torch.bfloat16 if variant == "bf16_public_hook" else torch.float32
-    model = mlp(dtype, perturb=rank == 1)
+    model = Reordered(rank == 1) if variant == "reordered" else mlp(dtype, perturb=rank == 1)
     inner = torch.optim.AdamW(model.parameters(), lr=LR)
     opt = inner
     public_hook = variant in ("public_hook", "bf16_public_hook")
     if wrap and public_hook:  # built before DDP, the order Accelerate and the HF Trainer use
         opt = AccumulatingOptimizer(inner, bucket_size_mb=WRAPPER_BUCKET_MB)
-    ddp = DDP(model, bucket_cap_mb=DDP_BUCKET_MB,
-              gradient_as_bucket_view=variant == "public_hook")
+    cap = REORDERED_BUCKET_MB if variant == "reordered" else DDP_BUCKET_MB
+    ddp = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=variant == "public_hook")
     if wrap and public_hook:
         ddp.register_comm_hook(None, accumkernels.ddp_comm_hook)
     elif wrap:
@@ -430,7 +455,8 @@ def run_ranks(tmp_path, scenario: str, timeout: float = 90.0, **kwargs) -> list[
     try:
         deadline = time.monotonic() + timeout
         while not all(os.path.exists(path) for path in paths):
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and not os.path.exists(paths[r])]
+            dead = [r for r, p in enumerate(procs)
+                    if not p.is_alive() and not os.path.exists(paths[r])]
             if dead:
                 raise AssertionError(f"{scenario}: rank {dead[0]} died (exit code "
                                      f"{procs[dead[0]].exitcode}) without a result")

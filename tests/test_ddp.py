@@ -1,4 +1,4 @@
-"""Multi-process jobs (the design contract, "Multi-process jobs"; issue 10): 2 gloo ranks on 127.0.0.1.
+"""Multi-process jobs (the design contract, "Multi-process jobs"; issue 10): 2 gloo ranks, local.
 
 Under DistributedDataParallel the wrapper must give native DDP's result (the average over
 ranks of the window's summed gradients), accumulated in fp32, with DDP's own ``no_sync``
@@ -35,7 +35,8 @@ def assert_close_rel(ours: list[torch.Tensor], ref: list[torch.Tensor], what: st
     for i, (a, b) in enumerate(zip(ours, ref)):
         err = (a - b).abs().max().item()
         scale = b.abs().max().item()
-        assert err <= rel * scale, f"{what}: param {i}: max |diff| {err:.3g} > {rel:g} * {scale:.3g}"
+        assert err <= rel * scale, \
+            f"{what}: param {i}: max |diff| {err:.3g} > {rel:g} * {scale:.3g}"
 
 
 def assert_ranks_equal(results: list[dict], key=lambda r: r["params"], what: str = "") -> None:
@@ -53,13 +54,15 @@ def assert_trained(params: list[torch.Tensor], start_like: list[torch.Tensor]) -
 @pytest.fixture(scope="module")
 def plain_ddp(tmp_path_factory):
     """All plain-DDP variants in one pair of processes (start-up dominates the run time)."""
-    variants = ["model_arg", "public_hook", "sync_every_microbatch", "bf16_public_hook"]
+    variants = ["model_arg", "public_hook", "sync_every_microbatch", "reordered",
+                "bf16_public_hook"]
     results = run_ranks(tmp_path_factory.mktemp("plain_ddp"), "plain_ddp", timeout=120,
                         variants=variants)
     return {v: [r[v] for r in results] for v in variants}
 
 
-@pytest.mark.parametrize("variant", ["model_arg", "public_hook", "sync_every_microbatch"])
+@pytest.mark.parametrize("variant", ["model_arg", "public_hook", "sync_every_microbatch",
+                                     "reordered"])
 def test_ddp_equals_native_ddp(plain_ddp, variant):
     """fp32 MLP, AdamW, 8 steps of 4 micro-batches, clip on the sync step.
 
@@ -67,6 +70,7 @@ def test_ddp_equals_native_ddp(plain_ddp, variant):
     public_hook: the wrapper built first (Accelerate's and the Trainer's order), then
     ``ddp.register_comm_hook(None, accumkernels.ddp_comm_hook)``; gradient_as_bucket_view=True.
     sync_every_microbatch: no ``no_sync`` at all (DDP reduces every backward, natively too).
+    reordered: a DDP bucket holds params that are not neighbours in the wrapper's buffer.
     DDP's buckets (20 KB) and the wrapper's (10 KB) are cut at different params."""
     ranks = plain_ddp[variant]
     for rank, r in enumerate(ranks):
