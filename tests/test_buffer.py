@@ -18,7 +18,6 @@ from test_optim import (
     mse,
     params_of,
     rel_err,
-    run_loop,
 )
 from torch import nn
 

@@ -416,6 +416,7 @@ def test_accumulate_in_backward_false_grad_visibility(dtype):
     N = 4
     model = make_model(dtype)
     twin = copy.deepcopy(model)  # native autograd, zeroed where the wrapper moves its grads
+    moved = [0.0] * len(list(model.parameters()))
     opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=N,
                                 accumulate_in_backward=False, bucket_size_mb=SMALL_BUCKET)
     for k, (x, y) in enumerate(batches(N, 4, dtype)):
@@ -427,8 +428,7 @@ def test_accumulate_in_backward_false_grad_visibility(dtype):
         if k == 1:
             opt.accumulate()
         if k in (1, N - 1):  # moved: autograd's sum of backwards 0-1, then 2-3 (param dtype)
-            moved = [q.grad.double() + (moved[i] if k > 1 else 0)
-                     for i, q in enumerate(twin.parameters())]
+            moved = [q.grad.double() + m for q, m in zip(twin.parameters(), moved)]
             twin.zero_grad()
             assert opt.micro_steps == k + 1
             for (name, p), ref in zip(model.named_parameters(), moved):  # the fp32 window view
