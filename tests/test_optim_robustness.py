@@ -385,3 +385,45 @@ def test_load_state_dict_of_a_plain_optimizer_is_a_clear_error():
     plain = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
     with pytest.raises(ValueError, match="not an AccumulatingOptimizer state_dict"):
         opt.load_state_dict(plain)
+
+
+def _version1(state: dict) -> dict:
+    """The checkpoint as the single-class wrapper (format version 1) wrote it."""
+    old = {k: v for k, v in state.items() if k not in ("version", "param_shapes")}
+    old["window"] = dict(state["window"], step_calls=1, unmoved=0, at_boundary=False)
+    old["window"]["boundary_only"] = bool(state["window"]["boundary_only"])
+    return old
+
+
+def test_version1_checkpoint_loads_and_resumes_exactly():
+    N = 4
+    model = make_model()
+    data = batches(2 * N, 4)
+    opt = _sgd(model, accumulation_steps=N)
+    for x, y in data[:N + 2]:  # one window stepped, two micro-batches into the next
+        mse(model, x, y).backward()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(_version1(opt.state_dict()), buf)
+    resumed = copy.deepcopy(model)
+    opt2 = _sgd(resumed, accumulation_steps=N)
+    buf.seek(0)
+    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    for mod, o in ((model, opt), (resumed, opt2)):
+        for x, y in data[N + 2:]:
+            mse(mod, x, y).backward()
+            o.step()
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_unknown_checkpoint_version_is_refused_and_changes_nothing():
+    model = make_model()
+    opt = _sgd(model, accumulation_steps=2)
+    mse(model, *batches(1, 4)[0]).backward()
+    state = opt.state_dict()
+    before = [t.clone() for t in state["main_grad"]]
+    with pytest.raises(ValueError, match="version 3"):
+        opt.load_state_dict(dict(state, version=3))
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.state_dict()["main_grad"]))
+    assert opt.micro_steps == 1
