@@ -132,6 +132,10 @@ def accumulate_(
         _run(dst, src, value, scale_tensor, overwrite, found_inf, name, device)
     else:  # tracing: check what needs no data now; the op's real kernel checks the rest
         validate.check_shapes(dst, src, scale_tensor, found_inf)
+        if torch.is_grad_enabled():  # the op's kernel runs with grad mode off: check here
+            refused = validate.find_unwritable(dst, found_inf, CHECK_AUTOGRAD)
+            if refused is not None:
+                validate.raise_failure(refused, dst, src, scale_tensor, found_inf)
         torch.ops.accumkernels.accumulate_(list(dst), list(src), value, scale_tensor, overwrite,
                                            found_inf, name)
 

@@ -105,3 +105,31 @@ def test_tuples_and_disjoint_views_are_fine():
     expected[:98] += torch.cat([s.float().flatten() for s in src]) * 2.0
     accumkernels.accumulate_(dst, src, 2.0, backend="torch")
     torch.testing.assert_close(flat, expected, rtol=2**-23, atol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_python_rules_raise_the_same_errors(case, monkeypatch):
+    """The portable path (the rules in Python, used where the C++ reader cannot look) raises
+    what the C++ checks raise, before writing anything."""
+    from accumkernels.backends import native
+
+    monkeypatch.setattr(native, "READER", False)
+    test_bad_input_raises_and_writes_nothing(case, "cpu")
+
+
+def test_tensor_subclass_takes_the_python_path():
+    """A tensor subclass may report anything: the C++ reader leaves it to the Python rules."""
+
+    class Marked(torch.Tensor):
+        pass
+
+    dst, src = make_inputs()
+    dst[2] = dst[2].as_subclass(Marked)
+    expected = [d.clone() for d in dst]
+    for e, s in zip(expected, src):
+        e += s.float() * 0.5
+    accumkernels.accumulate_(dst, src, 0.5, backend="cpu")
+    assert all(torch.equal(d, e) for d, e in zip(dst, expected))
+    src[1] = src[1][:-1].as_subclass(Marked)
+    with pytest.raises(ValueError, match=r"src\[1\] has shape"):
+        accumkernels.accumulate_(dst, src, 0.5, backend="cpu")
