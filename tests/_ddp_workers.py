@@ -74,6 +74,25 @@ class Reordered(torch.nn.Module):
         return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
 
 
+class PartlyUsed(torch.nn.Module):
+    """``only0`` gets gradients on rank 0 only, ``never`` on no rank (DDP's
+    ``find_unused_parameters=True``): natively the first is averaged with rank 1's zeros and
+    the second keeps ``.grad`` None, so AdamW leaves it alone (no weight decay either)."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rank = rank
+        self.a = torch.nn.Linear(16, 64)
+        self.b = torch.nn.Linear(64, 4)
+        self.only0 = torch.nn.Linear(64, 4)
+        self.never = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.only0(h) if self.rank == 0 else self.b(h)
+
+
 # DDP closes a bucket once it reaches the cap: l3.b + l3.w = 1040 B < cap <= 1296 B (+ l2.b)
 REORDERED_BUCKET_MB = 1200 / 2**20
 
@@ -144,20 +163,32 @@ def _train_plain_ddp(rank: int, variant: str, wrap: bool) -> dict:
     from accumkernels import AccumulatingOptimizer
 
     dtype = torch.bfloat16 if variant == "bf16_public_hook" else torch.float32
-    model = Reordered(rank == 1) if variant == "reordered" else mlp(dtype, perturb=rank == 1)
+    if variant == "reordered":
+        model = Reordered(rank == 1)
+    elif variant == "unused_params":
+        model = PartlyUsed(rank)
+    else:
+        model = mlp(dtype, perturb=rank == 1)
     inner = torch.optim.AdamW(model.parameters(), lr=LR)
     opt = inner
     public_hook = variant in ("public_hook", "bf16_public_hook")
     if wrap and public_hook:  # built before DDP, the order Accelerate and the HF Trainer use
         opt = AccumulatingOptimizer(inner, bucket_size_mb=WRAPPER_BUCKET_MB)
     cap = REORDERED_BUCKET_MB if variant == "reordered" else DDP_BUCKET_MB
-    ddp = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=variant == "public_hook")
+    ddp = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=variant == "public_hook",
+              find_unused_parameters=variant == "unused_params",
+              static_graph=variant == "static_graph")
     if wrap and public_hook:
         ddp.register_comm_hook(None, accumkernels.ddp_comm_hook)
     elif wrap:
-        opt = AccumulatingOptimizer(inner, model=ddp, bucket_size_mb=WRAPPER_BUCKET_MB)
-    sync_every = variant == "sync_every_microbatch"
-    norms = []
+        # "mean": the wrapper divides by the micro-batches, the loop does not (native does)
+        reduction = "mean" if variant == "mean" else "sum"
+        opt = AccumulatingOptimizer(inner, model=ddp, bucket_size_mb=WRAPPER_BUCKET_MB,
+                                    reduction=reduction)
+    divide = ACCUM if not (wrap and variant == "mean") else 1
+    # static_graph: DDP cannot skip the sync in its first iteration (torch raises natively)
+    sync_every = variant in ("sync_every_microbatch", "static_graph")
+    norms, no_grad = [], []  # no_grad: which params' .grad is None on the sync step
     with CollectiveLog() as log:
         for step in range(STEPS):
             for i in range(ACCUM):
@@ -166,14 +197,16 @@ def _train_plain_ddp(rank: int, variant: str, wrap: bool) -> dict:
                 ctx = contextlib.nullcontext() if last or sync_every else ddp.no_sync()
                 x, y = micro_batch(rank, step, i, dtype)
                 with ctx:
-                    (loss_fn(ddp(x), y) / ACCUM).backward()
+                    (loss_fn(ddp(x), y) / divide).backward()
             log.phase = "clip"
+            no_grad.append([p.grad is None for p in model.parameters()])
             norms.append(float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)))
             log.phase = "step"
             opt.step()
             opt.zero_grad()
             log.phase = "between"
-    return {"params": snapshot(model), "norms": norms, "collectives": log.calls}
+    return {"params": snapshot(model), "norms": norms, "collectives": log.calls,
+            "no_grad": no_grad}
 
 
 def _bf16_reference(rank: int) -> dict:

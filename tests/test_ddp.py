@@ -55,14 +55,14 @@ def assert_trained(params: list[torch.Tensor], start_like: list[torch.Tensor]) -
 def plain_ddp(tmp_path_factory):
     """All plain-DDP variants in one pair of processes (start-up dominates the run time)."""
     variants = ["model_arg", "public_hook", "sync_every_microbatch", "reordered",
-                "bf16_public_hook"]
+                "unused_params", "static_graph", "mean", "bf16_public_hook"]
     results = run_ranks(tmp_path_factory.mktemp("plain_ddp"), "plain_ddp", timeout=120,
                         variants=variants)
     return {v: [r[v] for r in results] for v in variants}
 
 
 @pytest.mark.parametrize("variant", ["model_arg", "public_hook", "sync_every_microbatch",
-                                     "reordered"])
+                                     "reordered", "unused_params", "static_graph", "mean"])
 def test_ddp_equals_native_ddp(plain_ddp, variant):
     """fp32 MLP, AdamW, 8 steps of 4 micro-batches, clip on the sync step.
 
@@ -71,6 +71,9 @@ def test_ddp_equals_native_ddp(plain_ddp, variant):
     ``ddp.register_comm_hook(None, accumkernels.ddp_comm_hook)``; gradient_as_bucket_view=True.
     sync_every_microbatch: no ``no_sync`` at all (DDP reduces every backward, natively too).
     reordered: a DDP bucket holds params that are not neighbours in the wrapper's buffer.
+    unused_params: ``find_unused_parameters=True``, a param used on rank 0 only and one never.
+    static_graph: ``static_graph=True`` (DDP reduces its first iteration at the backward's end).
+    mean: ``reduction="mean"``, the loss not divided by the window length (native divides).
     DDP's buckets (20 KB) and the wrapper's (10 KB) are cut at different params."""
     ranks = plain_ddp[variant]
     for rank, r in enumerate(ranks):
@@ -78,6 +81,7 @@ def test_ddp_equals_native_ddp(plain_ddp, variant):
         assert all(n > CLIP for n in native["norms"]), native["norms"]  # the clip bites
         # clip_grad_norm_ on the sync step reads p.grad: the reduced fp32 window, as natively
         assert ours["norms"] == pytest.approx(native["norms"], rel=REL), f"rank {rank}"
+        assert ours["no_grad"] == native["no_grad"], f"rank {rank}: .grad None on other params"
         assert_close_rel(ours["params"], native["params"], f"{variant}, rank {rank}")
     assert_ranks_equal([r["wrapper"] for r in ranks], what=variant)
 

@@ -62,6 +62,10 @@ class DataParallel:
         self._clean = False  # no micro-batch since the last DDP sync (totals are current)
         self._stale = False  # ... but a weight was reported after it
         self._layout: dict[int, int] = {}  # id(param) -> position in the buffer
+        # DDP(static_graph=True) marks gradients ready only at the end of its first sync
+        # backward, and then rejects one that was defined when its hook ran but is gone now:
+        # until that backward is over, every gradient is moved as it arrives (see Intake).
+        self.move_each_now = False
         if process_group is not None:
             if ddp is not None:
                 raise ValueError(_BOTH)
@@ -72,6 +76,7 @@ class DataParallel:
 
             self._attach(ddp.process_group)
             register(ddp)
+            self.move_each_now = bool(getattr(ddp, "static_graph", False))
 
     @property
     def active(self) -> bool:
@@ -139,9 +144,8 @@ class DataParallel:
         views = []
         for p in params:
             view = buffer.view(p)
-            if id(p) not in touched:  # no gradient on this rank in this window: 0, as in DDP
-                view.zero_()
-                touched.add(id(p))
+            if id(p) not in touched:  # no gradient on this rank in this window: 0, as in DDP;
+                view.zero_()  # it counts as touched if another rank has one (end_backward)
             views.append(view)
         flat = self._contiguous_range(params, views)
         copy_back = flat is None
@@ -177,11 +181,14 @@ class DataParallel:
         if not self._synced:
             self._clean = False
             return False
-        self._synced = False
+        self._synced = self.move_each_now = False
         owner = self._owner()
         self._wait()
         self.totals = self._agree(owner)
         self._clean, self._stale = True, False
+        # a param some rank has a gradient for is in p.grad on every rank; one no rank has
+        # keeps p.grad None (DDP leaves globally unused params' .grad alone too)
+        owner._window.touched = {id(p) for p, t in zip(owner._params, self.totals.touched) if t}
         owner._normalise(owner._target_divisor(self.totals))
         return True
 

@@ -167,6 +167,8 @@ class Intake:
         if len(pend) + self._flushed.get(bucket.index, 0) == len(bucket.params):
             del self.pending[bucket.index]
             self.launch(bucket, list(pend.values()))
+        elif owner._dp.move_each_now:  # DDP(static_graph=True), first sync (optim.distributed)
+            self.flush([p])
 
     def flush(self, params: list[torch.Tensor]) -> None:
         """Move the pending gradients of ``params`` now, before their bucket is complete
