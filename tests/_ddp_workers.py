@@ -293,6 +293,64 @@ def scenario_accelerate(rank: int) -> dict:
     return out
 
 
+def scenario_hf_trainer(rank: int, out_dir: str) -> dict:
+    """The HF Trainer on 2 processes, ``gradient_accumulation_steps=4``, ``max_grad_norm``:
+    it builds the DDP module inside ``train()``; a callback registers the comm hook on it
+    (``trainer.model_wrapped``) at ``on_train_begin``, before the first backward."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    import transformers
+    from accelerate.state import AcceleratorState, GradientState
+
+    import accumkernels
+    from accumkernels import AccumulatingOptimizer
+
+    class Regression(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp(perturb=rank == 1)
+
+        def forward(self, x, labels):
+            return {"loss": loss_fn(self.net(x), labels)}
+
+    class ReduceTheWindow(transformers.TrainerCallback):
+        trainer = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            ddp = self.trainer.model_wrapped
+            assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
+            ddp.register_comm_hook(None, accumkernels.ddp_comm_hook)
+
+    transformers.logging.set_verbosity_error()
+    # 2 ranks x 30 micro-batches: 7 windows of 4 and a short last one of 2 (end of the epoch)
+    data = [{"x": x, "labels": y} for x, y in dataset(2 * 30)]
+    out = {}
+    for wrap in (False, True):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        model = Regression()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        callbacks = []
+        if wrap:
+            opt = AccumulatingOptimizer(opt, bucket_size_mb=WRAPPER_BUCKET_MB)
+            callbacks = [ReduceTheWindow()]
+        args = transformers.TrainingArguments(
+            output_dir=os.path.join(out_dir, f"hf{rank}{wrap}"), use_cpu=True,
+            per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
+            max_grad_norm=CLIP, learning_rate=LR, lr_scheduler_type="constant",
+            num_train_epochs=1, report_to=[], save_strategy="no", logging_strategy="no",
+            disable_tqdm=True, dataloader_num_workers=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       optimizers=(opt, None), callbacks=callbacks)
+        for cb in callbacks:
+            cb.trainer = trainer
+        trainer.train()
+        out["wrapper" if wrap else "native"] = {"params": snapshot(model.net),
+                                                "steps": trainer.state.global_step}
+    return out
+
+
 def scenario_lightning(rank: int) -> dict:
     """Lightning ``strategy="ddp"``, ``devices=2``, ``accumulate_grad_batches=4``, gradient
     clipping; the wrapper gets the DDP module Lightning built (``trainer.strategy.model``)."""
@@ -442,6 +500,7 @@ SCENARIOS = {
     "plain_ddp": scenario_plain_ddp,
     "accelerate": scenario_accelerate,
     "lightning": scenario_lightning,
+    "hf_trainer": scenario_hf_trainer,
     "nanogpt": scenario_nanogpt,
     "no_ddp": scenario_no_ddp,
     "fsdp2": scenario_fsdp2,

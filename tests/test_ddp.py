@@ -128,6 +128,19 @@ def test_accelerate_accumulate_loop_equals_native(tmp_path):
     assert_ranks_equal([r["wrapper"] for r in results], what="accelerate")
 
 
+def test_hf_trainer_equals_native(tmp_path):
+    """The HF Trainer (``gradient_accumulation_steps=4``, ``max_grad_norm``) on 2 processes:
+    it wraps the model in DDP inside ``train()``; a ``TrainerCallback`` registers
+    ``accumkernels.ddp_comm_hook`` on ``trainer.model_wrapped`` at ``on_train_begin``."""
+    pytest.importorskip("transformers")
+    results = run_ranks(tmp_path, "hf_trainer", timeout=150, out_dir=str(tmp_path))
+    for rank, r in enumerate(results):
+        native, ours = r["native"], r["wrapper"]
+        assert native["steps"] == ours["steps"] == 8
+        assert_close_rel(ours["params"], native["params"], f"hf trainer, rank {rank}")
+    assert_ranks_equal([r["wrapper"] for r in results], what="hf trainer")
+
+
 def test_lightning_ddp_strategy_equals_native(tmp_path):
     """Lightning ``strategy="ddp"``, ``devices=2``, ``accumulate_grad_batches=4``,
     ``gradient_clip_val``: 7 windows and a short last one; the wrapper is given
