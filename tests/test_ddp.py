@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ddp_workers import ACCUM, CLIP, mlp, run_ranks, snapshot
+from _ddp_workers import ACCUM, CLIP, LR, mlp, run_ranks, snapshot
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available")
@@ -207,3 +207,30 @@ def test_fsdp2_works_or_is_refused_at_construction(tmp_path):
             continue
         assert_close_rel(r["wrapper"], r["native"], f"fsdp2, rank {rank}")
     assert ("refused" in results[0]) == ("refused" in results[1])
+
+
+def test_ddp_options_the_wrapper_cannot_honour_are_refused(tmp_path):
+    """One process (world size 1): what model=ddp refuses when the wrapper is built."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from accumkernels import AccumulatingOptimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        def build(**kwargs):
+            ddp = DDP(mlp())
+            if kwargs.pop("hooked", False):
+                ddp.register_comm_hook(None, allreduce_hook)
+            inner = torch.optim.AdamW(ddp.parameters(), lr=LR)
+            return AccumulatingOptimizer(inner, model=ddp, **kwargs)
+
+        with pytest.raises(ValueError, match="communication hook"):
+            build(hooked=True)  # DDP takes one comm hook; the wrapper's must be it
+        with pytest.raises(ValueError, match="skip_microbatch"):
+            build(nonfinite="skip_microbatch")  # DDP sends a gradient before it could be dropped
+        with pytest.raises(ValueError, match="process_group"):
+            build(process_group=dist.group.WORLD)  # both would reduce the window
+    finally:
+        dist.destroy_process_group()
