@@ -27,6 +27,17 @@ __all__ = ["LaunchPlan", "accumulate_", "available_backends"]
 
 # The smallest double that float32 rounds to inf: a finite Python scale at or above it is not.
 _FP32_OVERFLOW = 2.0**128 - 2.0**103
+_KNOWN_BACKENDS = frozenset(("auto", *backends.BACKENDS))
+
+# Looked up once: a call on a short list costs about as much as these lookups.
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+_inference_mode = torch.is_inference_mode_enabled
+_CPU = torch.device("cpu")
+# Backend names that mean the compiled CPU kernels for a CPU tensor ("auto" picks them first).
+_NATIVE_CPU = frozenset(("auto", "cpu")) if native.is_available(_CPU) else frozenset()
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -116,19 +127,37 @@ def accumulate_(
     (never reset; ``dst`` is written all the same). Every argument is validated before anything
     is written; errors name the offending index.
     """
-    dst = _as_list("dst", dst)
-    src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf)
+    # Fast paths first (lists, a float scale): this prologue is most of a short call's cost.
+    if type(dst) is not list and type(dst) is not tuple:
+        dst = _as_list("dst", dst)
+    if (type(src) is list or type(src) is tuple) and type(scale) is float \
+            and -_FP32_OVERFLOW < scale < _FP32_OVERFLOW \
+            and (overwrite is False or overwrite is True) \
+            and (found_inf is None or isinstance(found_inf, torch.Tensor)):
+        value, scale_tensor = scale, None
+    else:
+        src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf)
     if len(dst) != len(src):
         fail(ValueError, f"dst has {len(dst)} tensors but src has {len(src)}")
-    _check_backend(backend)
+    if type(backend) is not str or backend not in _KNOWN_BACKENDS:
+        _check_backend(backend)
     if not dst:
         return
     first = dst[0]
     if not isinstance(first, torch.Tensor):
         fail(TypeError, f"dst[0] must be a torch.Tensor, got {type(first).__name__}")
-    device = first.device
-    name = backends.resolve(backend, device)
-    if _plain_eager():
+    if first.is_cpu and backend in _NATIVE_CPU:  # what resolve() answers, without a device
+        name, device = "cpu", _CPU
+    else:
+        device = first.device
+        name = backends.resolve(backend, device)
+    if not (_is_compiling() or _dispatch_modes() or _functorch_active()):  # plain eager
+        if name == "cpu" and native.READER:  # the common case, straight to the extension
+            flags = ((CHECK_AUTOGRAD if _grad_enabled() else 0)
+                     | (0 if _inference_mode() else CHECK_INFERENCE))
+            if native.run_cpu(dst, src, value, scale_tensor, overwrite, found_inf, flags) is None:
+                return
+        # Any other case, and a refused call (checked again there, to raise or go portable).
         _run(dst, src, value, scale_tensor, overwrite, found_inf, name, device)
     else:  # tracing: check what needs no data now; the op's real kernel checks the rest
         validate.check_shapes(dst, src, scale_tensor, found_inf)
@@ -142,8 +171,8 @@ def accumulate_(
 
 def _flags() -> int:
     """Which autograd rules of in-place ops apply now."""
-    return ((CHECK_AUTOGRAD if torch.is_grad_enabled() else 0)
-            | (0 if torch.is_inference_mode_enabled() else CHECK_INFERENCE))
+    return ((CHECK_AUTOGRAD if _grad_enabled() else 0)
+            | (0 if _inference_mode() else CHECK_INFERENCE))
 
 
 def _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, device) -> None:
@@ -151,7 +180,8 @@ def _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, device) -
     if device.type == "meta":  # no data: check what can be checked, write nothing
         validate.check_shapes(dst, src, scale_tensor, found_inf)
         return
-    flags = _flags()
+    flags = ((CHECK_AUTOGRAD if _grad_enabled() else 0)
+             | (0 if _inference_mode() else CHECK_INFERENCE))
     if native.READER:
         failed = native.run(dst, src, scale, scale_tensor, overwrite, found_inf, flags, backend,
                             device)
@@ -181,8 +211,7 @@ def _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend) -> No
 
 def _plain_eager() -> bool:
     """No compiler, dispatch mode (FakeTensorMode, make_fx) or functorch transform is active."""
-    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-                or torch._C._are_functorch_transforms_active())
+    return not (_is_compiling() or _dispatch_modes() or _functorch_active())
 
 
 class LaunchPlan:

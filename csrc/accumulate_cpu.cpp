@@ -6,6 +6,7 @@
 // splitting the *whole list* into fixed-size chunks, so a list of one huge and many tiny
 // tensors still keeps every thread busy.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -32,10 +33,17 @@ namespace {
 // chunk (one atomic increment) is noise, small enough that a 2-tensor list still splits
 // across all cores and the last chunks balance out.
 constexpr int64_t kChunkElems = int64_t{1} << 16;
-// Below this many elements in total, run on the calling thread: waking a thread team costs
-// a few microseconds, about what 256K elements take on one core. (Adjustable at run time for
-// measuring the crossover; see set_cpu_parallel_threshold.)
-constexpr int64_t kSerialBelow = int64_t{1} << 18;
+// Calls below kChunkElems * threads * kChunksPerThread use smaller chunks (down to
+// kMinChunkElems, a few microseconds of work) so that every thread gets a fair share.
+constexpr int64_t kChunksPerThread = 4;
+constexpr int64_t kMinChunkElems = 4096;
+// Below this many elements in total, run on the calling thread. Measured on the 2-core dev box
+// (benchmarks/results/host-overhead-cpu-*.json, "crossover"): two threads start to win at about
+// 36K elements with fp32 src and 41-45K with bf16 src, with or without overwrite (in cache, the
+// time per element barely depends on the dtype). The fp32 point is taken: there torch's add_ is
+// the closest competitor, and bf16 calls between 36K and 45K lose at most ~5% to serial.
+// (Adjustable at run time for measuring the crossover: set_cpu_parallel_threshold.)
+constexpr int64_t kSerialBelow = 36864;
 std::atomic<int64_t> g_serial_below{kSerialBelow};
 
 constexpr uint32_t kF32ExpMask = 0x7f800000u;
@@ -80,12 +88,13 @@ inline float load_src(const void* src, int64_t i) {
 }
 
 // Portable loop; at -O3 GCC/Clang vectorise it with the baseline ISA (SSE2, NEON, ...).
-template <int kDType, bool kOverwrite>
+// kCheck: look for inf/NaN (only when the caller passed found_inf: it costs ALU work per element).
+template <int kDType, bool kOverwrite, bool kCheck>
 uint32_t run_generic(float* __restrict dst, const void* src, int64_t n, float scale) {
   uint32_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float x = load_src<kDType>(src, i);
-    bad |= is_nonfinite(x);
+    if constexpr (kCheck) bad |= is_nonfinite(x);
 #if defined(__FP_FAST_FMAF)  // hardware FMA in the baseline ISA (e.g. aarch64): one rounding
     dst[i] = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
 #else
@@ -98,7 +107,7 @@ uint32_t run_generic(float* __restrict dst, const void* src, int64_t n, float sc
 #if defined(ACCUMKERNELS_X86_DISPATCH)
 // AVX2 + FMA + F16C, compiled for those ISAs only inside this function (the rest of the
 // module stays baseline x86-64) and selected at run time with __builtin_cpu_supports.
-template <int kDType, bool kOverwrite>
+template <int kDType, bool kOverwrite, bool kCheck>
 __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst,
                                                             const void* src, int64_t n,
                                                             float scale) {
@@ -122,10 +131,12 @@ __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst
       x0 = _mm256_loadu_ps(s32 + i);
       x1 = _mm256_loadu_ps(s32 + i + 8);
     }
-    const __m256i e0 = _mm256_and_si256(_mm256_castps_si256(x0), exp_mask);
-    const __m256i e1 = _mm256_and_si256(_mm256_castps_si256(x1), exp_mask);
-    bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpeq_epi32(e0, exp_mask),
-                                                _mm256_cmpeq_epi32(e1, exp_mask)));
+    if constexpr (kCheck) {
+      const __m256i e0 = _mm256_and_si256(_mm256_castps_si256(x0), exp_mask);
+      const __m256i e1 = _mm256_and_si256(_mm256_castps_si256(x1), exp_mask);
+      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpeq_epi32(e0, exp_mask),
+                                                  _mm256_cmpeq_epi32(e1, exp_mask)));
+    }
     if constexpr (kOverwrite) {
       _mm256_storeu_ps(dst + i, _mm256_mul_ps(vscale, x0));
       _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(vscale, x1));
@@ -140,7 +151,7 @@ __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst
     if constexpr (kDType == kBFloat16) x = bf16_to_float(s16[i]);
     else if constexpr (kDType == kFloat16) x = _cvtsh_ss(s16[i]);
     else x = s32[i];
-    bad_tail |= is_nonfinite(x);
+    if constexpr (kCheck) bad_tail |= is_nonfinite(x);
     dst[i] = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
   }
   return bad_tail | static_cast<uint32_t>(!_mm256_testz_si256(bad, bad));
@@ -148,25 +159,35 @@ __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst
 #endif
 
 struct Kernels {
-  RunFn run[3][2];  // [dtype][overwrite]
+  RunFn run[3][2][2];  // [dtype][overwrite][check]
   const char* name;
 };
 
-template <template <int, bool> class Pick>
-Kernels make_kernels(const char* name) {
-  return {{{Pick<kFloat32, false>::fn, Pick<kFloat32, true>::fn},
-           {Pick<kBFloat16, false>::fn, Pick<kBFloat16, true>::fn},
-           {Pick<kFloat16, false>::fn, Pick<kFloat16, true>::fn}},
-          name};
+template <template <int, bool, bool> class Pick, int D>
+constexpr std::array<std::array<RunFn, 2>, 2> pick_dtype() {
+  return {{{Pick<D, false, false>::fn, Pick<D, false, true>::fn},
+           {Pick<D, true, false>::fn, Pick<D, true, true>::fn}}};
 }
-template <int D, bool O>
+
+template <template <int, bool, bool> class Pick>
+Kernels make_kernels(const char* name) {
+  Kernels k{};
+  const std::array<std::array<std::array<RunFn, 2>, 2>, 3> all = {
+      pick_dtype<Pick, kFloat32>(), pick_dtype<Pick, kBFloat16>(), pick_dtype<Pick, kFloat16>()};
+  for (int d = 0; d < 3; ++d)
+    for (int o = 0; o < 2; ++o)
+      for (int c = 0; c < 2; ++c) k.run[d][o][c] = all[d][o][c];
+  k.name = name;
+  return k;
+}
+template <int D, bool O, bool C>
 struct PickGeneric {
-  static constexpr RunFn fn = &run_generic<D, O>;
+  static constexpr RunFn fn = &run_generic<D, O, C>;
 };
 #if defined(ACCUMKERNELS_X86_DISPATCH)
-template <int D, bool O>
+template <int D, bool O, bool C>
 struct PickAvx2 {
-  static constexpr RunFn fn = &run_avx2<D, O>;
+  static constexpr RunFn fn = &run_avx2<D, O, C>;
 };
 #endif
 
@@ -222,8 +243,7 @@ bool cpu_has_openmp() {
 void accumulate_cpu(const AccumulateArgs& args, int num_threads) {
   const TensorPair* t = args.tensors;
   int64_t total = 0;
-  size_t num_chunks = 0;
-  for (size_t i = 0; i < args.num_tensors; ++i) {  // validate everything before writing
+  for (size_t i = 0; i < args.num_tensors; ++i) {  // the memory guards, before writing
     if (t[i].numel < 0) throw std::invalid_argument("accumulate_cpu: negative numel");
     if (t[i].numel == 0) continue;
     if (t[i].dtype < kFloat32 || t[i].dtype > kFloat16)
@@ -231,7 +251,6 @@ void accumulate_cpu(const AccumulateArgs& args, int num_threads) {
     if (t[i].dst == nullptr || t[i].src == nullptr)
       throw std::invalid_argument("accumulate_cpu: null data pointer");
     total += t[i].numel;
-    num_chunks += static_cast<size_t>((t[i].numel + kChunkElems - 1) / kChunkElems);
   }
   if (total == 0) return;
   if (args.num_tensors > UINT32_MAX) throw std::invalid_argument("accumulate_cpu: too many tensors");
@@ -239,26 +258,32 @@ void accumulate_cpu(const AccumulateArgs& args, int num_threads) {
   const Kernels& k = kernels();
   const float scale = args.scale_ptr ? *args.scale_ptr : args.scale;
   const int ow = args.overwrite ? 1 : 0;
+  const int check = args.found_inf != nullptr ? 1 : 0;
   if (num_threads <= 0) num_threads = default_threads();
-  num_threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(num_threads), num_chunks));
 
   uint32_t bad = 0;
   if (total < g_serial_below.load(std::memory_order_relaxed) || num_threads <= 1) {
     for (size_t i = 0; i < args.num_tensors; ++i)
-      if (t[i].numel > 0) bad |= k.run[t[i].dtype][ow](t[i].dst, t[i].src, t[i].numel, scale);
+      if (t[i].numel > 0) bad |= k.run[t[i].dtype][ow][check](t[i].dst, t[i].src, t[i].numel, scale);
   } else {
+    // Chunks of at most kChunkElems, and small enough that each thread gets about
+    // kChunksPerThread of them: a call just above the threshold still splits evenly.
+    const int64_t even = (total + int64_t{num_threads} * kChunksPerThread - 1) /
+                         (int64_t{num_threads} * kChunksPerThread);
+    const int64_t chunk = std::clamp((even + 63) / 64 * 64, kMinChunkElems, kChunkElems);
     std::vector<Chunk> chunks;
-    chunks.reserve(num_chunks);
+    chunks.reserve(static_cast<size_t>(total / chunk + args.num_tensors));
     for (size_t i = 0; i < args.num_tensors; ++i)
-      for (int64_t s = 0; s < t[i].numel; s += kChunkElems)
+      for (int64_t s = 0; s < t[i].numel; s += chunk)
         chunks.push_back({static_cast<uint32_t>(i), s});
+    num_threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(num_threads), chunks.size()));
     auto run_chunk = [&](size_t c) -> uint32_t {
       const TensorPair& p = t[chunks[c].tensor];
       const int64_t start = chunks[c].start;
-      const int64_t len = std::min(kChunkElems, p.numel - start);
+      const int64_t len = std::min(chunk, p.numel - start);
       const size_t elem = p.dtype == kFloat32 ? 4 : 2;
       const void* src = static_cast<const char*>(p.src) + static_cast<size_t>(start) * elem;
-      return k.run[p.dtype][ow](p.dst + start, src, len, scale);
+      return k.run[p.dtype][ow][check](p.dst + start, src, len, scale);
     };
     const int64_t n = static_cast<int64_t>(chunks.size());
 #if defined(_OPENMP)

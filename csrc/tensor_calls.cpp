@@ -10,6 +10,8 @@ namespace accumkernels {
 namespace {
 
 PyObject* g_increment_version = nullptr;  // torch._C._increment_version
+// CPU calls on fewer elements keep the GIL: they end in about the time releasing it costs.
+constexpr int64_t kReleaseGilFrom = int64_t{1} << 15;
 PyObject* g_str_requires_grad = nullptr;
 PyObject* g_str_is_leaf = nullptr;
 PyObject* g_str_version = nullptr;
@@ -44,7 +46,7 @@ class Items {
   PyObject** items_ = nullptr;
 };
 
-// ---- overlap -----------------------------------------------------------------------------------
+// ---- per-call buffers ------------------------------------------------------------------------
 
 struct Span {
   uintptr_t begin, end;
@@ -52,6 +54,46 @@ struct Span {
   bool is_dst;
   bool f32;  // src only: float32, so an identical dst span is the elementwise in-place case
 };
+
+// Vectors reused from call to call (a call on a short list must not pay for allocations).
+struct Scratch {
+  std::vector<TensorPair> pairs;
+  std::vector<int32_t> index;
+  std::vector<Span> dst, src, all;
+  std::vector<int32_t> order;
+  std::vector<TensorMeta> metas;
+  bool busy = false;
+};
+
+// The thread's Scratch, or a fresh one if a call re-enters (Python code run by a decref).
+class ScratchLease {
+ public:
+  ScratchLease() {
+    thread_local Scratch shared;
+    if (!shared.busy) {
+      s_ = &shared;
+    } else {
+      own_ = std::make_unique<Scratch>();
+      s_ = own_.get();
+    }
+    s_->busy = true;
+    for (auto* v : {&s_->dst, &s_->src, &s_->all}) v->clear();
+    s_->pairs.clear();
+    s_->index.clear();
+    s_->order.clear();
+    s_->metas.clear();
+  }
+  ~ScratchLease() { s_->busy = false; }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  Scratch* operator->() const { return s_; }
+
+ private:
+  Scratch* s_ = nullptr;
+  std::unique_ptr<Scratch> own_;
+};
+
+// ---- overlap -----------------------------------------------------------------------------------
 
 bool span_less(const Span& a, const Span& b) {
   return a.begin != b.begin ? a.begin < b.begin : (a.is_dst && !b.is_dst);
@@ -62,10 +104,10 @@ bool overlaps(uintptr_t a0, uintptr_t a1, uintptr_t b0, uintptr_t b1) { return a
 // No dst may overlap another dst, and no src may overlap a dst unless it is exactly that dst's
 // memory as float32 (dst[i] += s * dst[i] is elementwise, like torch's a.add_(a)). One sweep in
 // address order; the two lists are usually sorted already (then no sort at all).
-py::object find_overlap(std::vector<Span>& dst, std::vector<Span>& src) {
+py::object find_overlap(std::vector<Span>& dst, std::vector<Span>& src, std::vector<Span>& all) {
   if (!std::is_sorted(dst.begin(), dst.end(), span_less)) std::sort(dst.begin(), dst.end(), span_less);
   if (!std::is_sorted(src.begin(), src.end(), span_less)) std::sort(src.begin(), src.end(), span_less);
-  std::vector<Span> all(dst.size() + src.size());
+  all.resize(dst.size() + src.size());
   std::merge(dst.begin(), dst.end(), src.begin(), src.end(), all.begin(), span_less);
   const Span none{0, 0, -1, true, false};
   const Span* last_dst = &none;  // the dst seen so far that ends last
@@ -176,6 +218,12 @@ void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o,
                             o.overwrite,
                             found_inf ? reinterpret_cast<float*>(found_inf->data) : nullptr};
   if (o.kernel == kCpuKernel) {
+    int64_t total = 0;
+    for (const TensorPair& p : pairs) total += p.numel;
+    if (total < kReleaseGilFrom) {  // done before another thread could get the GIL
+      accumulate_cpu(args, o.num_threads);
+      return;
+    }
     py::gil_scoped_release no_gil;
     accumulate_cpu(args, o.num_threads);
     return;
@@ -221,13 +269,11 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
   const Device dev{d.device_type, d.device_index};
   check_kernel_device(o, dev);
 
-  std::vector<TensorPair> pairs;
-  std::vector<int32_t> pair_index;  // list index of each pair (empty tensors are left out)
-  std::vector<Span> dspans, sspans;
-  pairs.reserve(static_cast<size_t>(n));
-  pair_index.reserve(static_cast<size_t>(n));
-  dspans.reserve(static_cast<size_t>(n));
-  sspans.reserve(static_cast<size_t>(n));
+  ScratchLease scratch;
+  std::vector<TensorPair>& pairs = scratch->pairs;
+  std::vector<int32_t>& pair_index = scratch->index;  // list index of each pair (non-empty)
+  std::vector<Span>& dspans = scratch->dst;
+  std::vector<Span>& sspans = scratch->src;
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!read_meta(dst[i], d) || !read_meta(src[i], x)) return failure("slow");
     if (d.dtype != kFloat32 || x.dtype < 0 || !same_sizes(d, x) || !dev.holds(d) ||
@@ -248,7 +294,7 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
   if (const char* f = read_scalar(o.scale_tensor, "scale", dev, scale, has_scale)) return failure(f);
   if (const char* f = read_scalar(o.found_inf, "found_inf", dev, found, has_found)) return failure(f);
 
-  py::object overlap = find_overlap(dspans, sspans);
+  py::object overlap = find_overlap(dspans, sspans, scratch->all);
   if (!overlap.is_none()) return overlap;
   if (has_found && has_scale && overlaps(found.data, found.end(), scale.data, scale.end()))
     return failure("found_inf_scale");
@@ -294,7 +340,7 @@ py::object Plan::create(py::handle dst_seq, py::handle keys, py::handle owner, b
       if (!plan->slot_of_.emplace(k[i], static_cast<int32_t>(i)).second)
         throw std::invalid_argument("Plan: a key appears twice");
   }
-  std::vector<Span> spans, no_src;
+  std::vector<Span> spans, no_src, all;
   TensorMeta d{};
   for (size_t i = 0; i < n; ++i) {
     if (!read_meta(dst[i], d)) return failure("slow");
@@ -309,7 +355,7 @@ py::object Plan::create(py::handle dst_seq, py::handle keys, py::handle owner, b
     plan->lo_ = spans.size() == 1 ? d.data : std::min(plan->lo_, d.data);
     plan->hi_ = std::max(plan->hi_, d.end());
   }
-  py::object overlap = find_overlap(spans, no_src);
+  py::object overlap = find_overlap(spans, no_src, all);
   if (!overlap.is_none()) return overlap;
   plan->stamp_.assign(n, 0);
   plan->pos_.assign(n, -1);
@@ -377,10 +423,12 @@ py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) 
     launch_ = 1;
   }
   const Items own_keys(keys_.is_none() ? py::handle(dst_) : py::handle(keys_));  // fast match
-  std::vector<int32_t> order(n);
-  std::vector<TensorMeta> metas(n);
-  std::vector<TensorPair> pairs;
-  pairs.reserve(n);
+  ScratchLease scratch;
+  std::vector<int32_t>& order = scratch->order;
+  std::vector<TensorMeta>& metas = scratch->metas;
+  std::vector<TensorPair>& pairs = scratch->pairs;
+  order.resize(n);
+  metas.resize(n);
   for (size_t k = 0; k < n; ++k) {
     int32_t s = static_cast<int32_t>(k);
     if (!identity) {

@@ -163,3 +163,37 @@ def test_auto_matches_explicit_cpu_backend():
     accumkernels.accumulate_(expected, src, 0.125, backend="cpu")
     accumkernels.accumulate_(dst, src, 0.125)
     assert torch.equal(dst[0], expected[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite"])
+def test_cpu_serial_and_parallel_paths_agree_bitwise(dtype, overwrite):
+    """The CPU kernel splits calls above its threshold into chunks over threads; both paths do
+    the same fp32 arithmetic per element, and both raise found_inf."""
+    from accumkernels import _C
+
+    numels = [1, 4097, 70001, 3, 12345]
+    src = [rand_src(n, dtype, "cpu") for n in numels]
+    src[2][69999] = float("nan")  # in the last chunk of the biggest tensor
+    start = [rand_dst(n, "cpu") for n in numels]
+    results = []
+    old = _C.cpu_parallel_threshold()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for threshold in (1 << 62, 0):  # serial, then parallel whatever the size
+            _C.set_cpu_parallel_threshold(threshold)
+            dst = [d.clone() for d in start]
+            found_inf = torch.zeros(1)
+            accumkernels.accumulate_(dst, src, 0.3, overwrite=overwrite, found_inf=found_inf,
+                                     backend="cpu")
+            assert found_inf.item() == 1.0
+            results.append(dst)
+    finally:
+        _C.set_cpu_parallel_threshold(old)
+        torch.set_num_threads(threads)
+    for a, b, d, x in zip(*results, start, src):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        ref = Reference(d)
+        ref.add(x, 0.3, overwrite=overwrite)
+        ref.check(a)

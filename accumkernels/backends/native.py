@@ -113,11 +113,14 @@ def _stream(device: torch.device) -> int:
         return torch.cuda.current_stream(device).cuda_stream
 
 
+_num_threads = torch.get_num_threads
+
+
 def _launch_args(backend: str, device: torch.device) -> tuple[int, int, int, int]:
     """(kernel, num_threads, stream, device index) for the fast path."""
     kernel = KERNELS.get(backend, 0)
     if kernel == 1:
-        return kernel, torch.get_num_threads(), 0, -1
+        return kernel, _num_threads(), 0, -1
     if kernel == 2:
         return kernel, 0, _stream(device), device.index
     return 0, 0, 0, -1
@@ -127,8 +130,18 @@ def run(dst, src, scale: float, scale_tensor, overwrite: bool, found_inf, flags:
         backend: str, device: torch.device) -> tuple | None:
     """The fast path: check, bump versions, launch (``backend`` "cpu"/"cuda"; any other: check
     and bump only). None on success, else (code, i, j) with nothing written."""
+    if backend == "cpu":
+        return _C.accumulate_tensors(dst, src, scale, scale_tensor, overwrite, found_inf, flags,
+                                     1, _num_threads(), 0, -1)
     return _C.accumulate_tensors(dst, src, scale, scale_tensor, overwrite, found_inf, flags,
                                  *_launch_args(backend, device))
+
+
+def run_cpu(dst, src, scale: float, scale_tensor, overwrite: bool, found_inf,
+            flags: int) -> tuple | None:
+    """``run`` for the cpu backend (the common call, kept short)."""
+    return _C.accumulate_tensors(dst, src, scale, scale_tensor, overwrite, found_inf, flags, 1,
+                                 _num_threads(), 0, -1)
 
 
 def make_plan(dst, keys, owner, inference: bool):
