@@ -131,7 +131,8 @@ def test_a_stalled_peer_times_out_instead_of_hanging(tmp_path):
     assert results[0]["error"] is not None and "waited 3 s" in results[0]["error"], results[0]
 
 
-def test_ddp_wrapped_model_is_rejected(tmp_path):
+def test_ddp_model_with_process_group_is_refused(tmp_path):
+    """Two reductions of one window: DDP's (through the wrapper's comm hook) and process_group's."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         model = make_model(0)
