@@ -15,7 +15,7 @@ real implementation is the eager path, so compiled code gets the same memory che
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from accumkernels import backends
 from accumkernels.backends import native, validate
 from accumkernels.backends.validate import CHECK_AUTOGRAD, CHECK_INFERENCE, fail
 
-__all__ = ["LaunchPlan", "accumulate_", "available_backends"]
+__all__ = ["LaunchPlan", "accumulate_", "available_backends", "call_layers"]
 
 # The smallest double that float32 rounds to inf: a finite Python scale at or above it is not.
 _FP32_OVERFLOW = 2.0**128 - 2.0**103
@@ -78,7 +78,8 @@ def _scale_arg(scale: object) -> tuple[float, torch.Tensor | None]:
         return 1.0, scale
     if type(scale) is not float:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            fail(TypeError, f"scale must be a float or a float32 tensor, got {type(scale).__name__}")
+            fail(TypeError,
+                 f"scale must be a float or a float32 tensor, got {type(scale).__name__}")
         try:
             value = float(scale)  # numpy and other real scalars
         except OverflowError:
@@ -209,6 +210,35 @@ def _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend) -> No
     backends.get(backend).accumulate(dst, src, scale, scale_tensor, overwrite, found_inf)
 
 
+def call_layers(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale: float = 1.0, *,
+                overwrite: bool = False, backend: str = "auto") -> dict[str, Callable[[], None]]:
+    """The layers of one ``accumulate_`` call as callables, for host-overhead benchmarks.
+
+    Each does the whole call's work from its layer down: ``"accumulate_"`` the public call;
+    ``"custom_op"`` the torch.library op (the path compiled graphs take; eager calls skip its
+    dispatcher); ``"backend"`` the op's implementation (checks, version bumps, launch);
+    ``"binding"`` the extension's entry point alone (with the C++ tensor reader: checks and
+    launch in one call; without: the launch on addresses marshalled once, up front). Backends
+    other than ``cpu``/``cuda`` have no ``"binding"``.
+    """
+    dst, src = list(dst), list(src)
+    device = dst[0].device
+    name = backends.resolve(backend, device)
+    layers: dict[str, Callable[[], None]] = {
+        "accumulate_": lambda: accumulate_(dst, src, scale, overwrite=overwrite, backend=backend),
+        "custom_op": lambda: torch.ops.accumkernels.accumulate_(dst, src, scale, None, overwrite,
+                                                                None, name),
+        "backend": lambda: _run(dst, src, scale, None, overwrite, None, name, device),
+    }
+    if name in native.KERNELS:
+        if native.READER:
+            layers["binding"] = lambda: native.run(dst, src, scale, None, overwrite, None,
+                                                   _flags(), name, device)
+        else:
+            layers["binding"] = native.prepared_launch(dst, src, scale, overwrite)
+    return layers
+
+
 def _plain_eager() -> bool:
     """No compiler, dispatch mode (FakeTensorMode, make_fx) or functorch transform is active."""
     return not (_is_compiling() or _dispatch_modes() or _functorch_active())
@@ -220,10 +250,12 @@ class LaunchPlan:
     The dst side (dtypes, devices, contiguity, no overlap, sizes) is read and checked when the
     plan is built, so a launch reads each src once and makes one call into the extension. Give
     ``keys`` (objects naming each dst, e.g. the params the dst belong to) to launch on a subset
-    of the dst in any order; give ``owner`` (a tensor every dst is a view of) to bump one
-    version counter per launch instead of one per dst. The dst tensors must keep their storage
-    and shape while the plan is used (the plan holds them). Without the extension's tensor
-    reader, or for backends other than ``cpu``/``cuda``, a launch is a plain ``accumulate_``.
+    of the dst in any order. ``owner``, a tensor every dst is a view of (found by itself when the
+    dst are views of one ``_base``), lets a launch bump one version counter instead of one per
+    dst, and check one ``requires_grad`` (the dst must not be made to require grad on their
+    own). The dst tensors must keep their storage and shape while the plan is used (the plan
+    holds them). Without the extension's tensor reader, or for backends other than
+    ``cpu``/``cuda``, a launch is a plain ``accumulate_``.
     """
 
     def __init__(self, dst: Sequence[torch.Tensor], *, keys: Sequence | None = None,
@@ -236,6 +268,9 @@ class LaunchPlan:
                 raise ValueError("LaunchPlan: keys must name each dst once")
         for i, d in enumerate(dst):
             validate.check_dst(i, d, dst[0].device)
+        if owner is None and dst and dst[0]._base is not None \
+                and all(d._base is dst[0]._base for d in dst):
+            owner = dst[0]._base  # views of one tensor share its version counter
         self.dst, self.keys, self.owner = dst, keys, owner
         self.device = dst[0].device if dst else torch.device("cpu")
         self.backend = backends.resolve(backend, self.device)
@@ -274,6 +309,18 @@ class LaunchPlan:
                 validate.raise_failure(failed, self._select(keys), src, scale_tensor, found_inf)
         accumulate_(self._select(keys), src, scale, overwrite=overwrite, found_inf=found_inf,
                     backend=self.backend)
+
+    def layers(self, src: Sequence[torch.Tensor], scale: float = 1.0, *,
+               keys: Sequence | None = None,
+               overwrite: bool = False) -> dict[str, Callable[[], None]]:
+        """A launch's layers as callables, for host-overhead benchmarks: ``"plan"`` the call,
+        ``"plan_binding"`` the extension's entry point alone (absent without the C++ plan)."""
+        layers = {"plan": lambda: self(src, scale, keys=keys, overwrite=overwrite)}
+        if self._native is not None:
+            layers["plan_binding"] = lambda: native.run_plan(
+                self._native, keys, src, scale, None, overwrite, None, _flags(), self.backend,
+                self.device)
+        return layers
 
     def _select(self, keys: Sequence | None) -> list[torch.Tensor]:
         if keys is None:

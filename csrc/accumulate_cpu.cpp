@@ -38,12 +38,12 @@ constexpr int64_t kChunkElems = int64_t{1} << 16;
 constexpr int64_t kChunksPerThread = 4;
 constexpr int64_t kMinChunkElems = 4096;
 // Below this many elements in total, run on the calling thread. Measured on the 2-core dev box
-// (benchmarks/results/host-overhead-cpu-*.json, "crossover"): two threads start to win at about
-// 36K elements with fp32 src and 41-45K with bf16 src, with or without overwrite (in cache, the
-// time per element barely depends on the dtype). The fp32 point is taken: there torch's add_ is
-// the closest competitor, and bf16 calls between 36K and 45K lose at most ~5% to serial.
-// (Adjustable at run time for measuring the crossover: set_cpu_parallel_threshold.)
-constexpr int64_t kSerialBelow = 36864;
+// (benchmarks/results/host-overhead-cpu-*.json, "crossover": one call timed serial vs on two
+// threads): with fp32 and with bf16 src, two threads lose below 36K elements (by 3-33%) and win
+// from 40K on, with or without overwrite (in cache, the time per element barely depends on the
+// dtype); the threshold sits between the two. (Adjustable at run time for measuring the
+// crossover: set_cpu_parallel_threshold.)
+constexpr int64_t kSerialBelow = 38912;
 std::atomic<int64_t> g_serial_below{kSerialBelow};
 
 constexpr uint32_t kF32ExpMask = 0x7f800000u;
@@ -264,7 +264,8 @@ void accumulate_cpu(const AccumulateArgs& args, int num_threads) {
   uint32_t bad = 0;
   if (total < g_serial_below.load(std::memory_order_relaxed) || num_threads <= 1) {
     for (size_t i = 0; i < args.num_tensors; ++i)
-      if (t[i].numel > 0) bad |= k.run[t[i].dtype][ow][check](t[i].dst, t[i].src, t[i].numel, scale);
+      if (t[i].numel > 0)
+        bad |= k.run[t[i].dtype][ow][check](t[i].dst, t[i].src, t[i].numel, scale);
   } else {
     // Chunks of at most kChunkElems, and small enough that each thread gets about
     // kChunksPerThread of them: a call just above the threshold still splits evenly.
@@ -276,7 +277,8 @@ void accumulate_cpu(const AccumulateArgs& args, int num_threads) {
     for (size_t i = 0; i < args.num_tensors; ++i)
       for (int64_t s = 0; s < t[i].numel; s += chunk)
         chunks.push_back({static_cast<uint32_t>(i), s});
-    num_threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(num_threads), chunks.size()));
+    num_threads =
+        static_cast<int>(std::min<size_t>(static_cast<size_t>(num_threads), chunks.size()));
     auto run_chunk = [&](size_t c) -> uint32_t {
       const TensorPair& p = t[chunks[c].tensor];
       const int64_t start = chunks[c].start;

@@ -96,7 +96,8 @@ PyObject* accumulate_tensors_fastcall(PyObject*, PyObject* const* args, Py_ssize
     };
     const double scale = PyFloat_AsDouble(args[2]);
     if (scale == -1.0 && PyErr_Occurred()) throw py::error_already_set();
-    if (!PyBool_Check(args[4])) throw py::type_error("accumulate_tensors: overwrite must be a bool");
+    if (!PyBool_Check(args[4]))
+      throw py::type_error("accumulate_tensors: overwrite must be a bool");
     const ak::CallOptions o{scale,
                             args[3],
                             args[4] == Py_True,
@@ -166,7 +167,8 @@ PYBIND11_MODULE(_C, m) {
       "Switch the tensor reader on (torch's C shim in `library`); returns (ok, why not).");
   m.def("disable_torch_api", &ak::torch_api_disable, "Switch the tensor reader off.");
   m.def(
-      "find_impl_offset", [](py::handle samples) { return ak::torch_api_find_impl_offset(samples.ptr()); },
+      "find_impl_offset",
+      [](py::handle samples) { return ak::torch_api_find_impl_offset(samples.ptr()); },
       "Read TensorImpl pointers at the offset where every sample's `_cdata` is found (0: none).");
   m.def("torch_api_ready", &ak::torch_api_ready, "Whether the tensor reader is on.");
   m.def(

@@ -105,8 +105,8 @@ bool overlaps(uintptr_t a0, uintptr_t a1, uintptr_t b0, uintptr_t b1) { return a
 // memory as float32 (dst[i] += s * dst[i] is elementwise, like torch's a.add_(a)). One sweep in
 // address order; the two lists are usually sorted already (then no sort at all).
 py::object find_overlap(std::vector<Span>& dst, std::vector<Span>& src, std::vector<Span>& all) {
-  if (!std::is_sorted(dst.begin(), dst.end(), span_less)) std::sort(dst.begin(), dst.end(), span_less);
-  if (!std::is_sorted(src.begin(), src.end(), span_less)) std::sort(src.begin(), src.end(), span_less);
+  for (std::vector<Span>* v : {&dst, &src})
+    if (!std::is_sorted(v->begin(), v->end(), span_less)) std::sort(v->begin(), v->end(), span_less);
   all.resize(dst.size() + src.size());
   std::merge(dst.begin(), dst.end(), src.begin(), src.end(), all.begin(), span_less);
   const Span none{0, 0, -1, true, false};
@@ -291,8 +291,10 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
 
   TensorMeta scale{}, found{};
   bool has_scale = false, has_found = false;
-  if (const char* f = read_scalar(o.scale_tensor, "scale", dev, scale, has_scale)) return failure(f);
-  if (const char* f = read_scalar(o.found_inf, "found_inf", dev, found, has_found)) return failure(f);
+  if (const char* f = read_scalar(o.scale_tensor, "scale", dev, scale, has_scale))
+    return failure(f);
+  if (const char* f = read_scalar(o.found_inf, "found_inf", dev, found, has_found))
+    return failure(f);
 
   py::object overlap = find_overlap(dspans, sspans, scratch->all);
   if (!overlap.is_none()) return overlap;
@@ -313,7 +315,8 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
     for (Py_ssize_t i = 0; i < n; ++i)
       if (const char* r = refuse_write(dst[i], o.flags)) return refusal(r, "dst", i);
     if (has_found)
-      if (const char* r = refuse_write(o.found_inf.ptr(), o.flags)) return refusal(r, "found_inf", -1);
+      if (const char* r = refuse_write(o.found_inf.ptr(), o.flags))
+        return refusal(r, "found_inf", -1);
   }
   bump_versions(dst.seq());
   if (has_found) bump_versions(py::make_tuple(o.found_inf));
@@ -395,7 +398,8 @@ py::object Plan::check_overlaps(const std::vector<int32_t>& order,
     if (scale != nullptr && overlaps(found_inf->data, found_inf->end(), scale->data, scale->end()))
       return failure("found_inf_scale");
     for (size_t k = 0; k < src.size(); ++k)
-      if (src[k].numel > 0 && overlaps(found_inf->data, found_inf->end(), src[k].data, src[k].end()))
+      if (src[k].numel > 0 &&
+          overlaps(found_inf->data, found_inf->end(), src[k].data, src[k].end()))
         return failure("found_inf_src", static_cast<int64_t>(k));
   }
   return py::none();
@@ -454,8 +458,10 @@ py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) 
   }
   TensorMeta scale{}, found{};
   bool has_scale = false, has_found = false;
-  if (const char* f = read_scalar(o.scale_tensor, "scale", dev, scale, has_scale)) return failure(f);
-  if (const char* f = read_scalar(o.found_inf, "found_inf", dev, found, has_found)) return failure(f);
+  if (const char* f = read_scalar(o.scale_tensor, "scale", dev, scale, has_scale))
+    return failure(f);
+  if (const char* f = read_scalar(o.found_inf, "found_inf", dev, found, has_found))
+    return failure(f);
   py::object overlap = check_overlaps(order, metas, has_scale ? &scale : nullptr,
                                       has_found ? &found : nullptr);
   if (!overlap.is_none()) return overlap;
@@ -473,7 +479,8 @@ py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) 
     }
   }
   if (has_found)
-    if (const char* r = refuse_write(o.found_inf.ptr(), o.flags)) return refusal(r, "found_inf", -1);
+    if (const char* r = refuse_write(o.found_inf.ptr(), o.flags))
+      return refusal(r, "found_inf", -1);
   if (!owner_.is_none()) {
     bump_versions(py::make_tuple(owner_));
   } else {

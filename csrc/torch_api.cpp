@@ -49,7 +49,8 @@ void* tensor_impl(PyObject* obj) {
     std::memcpy(&impl, reinterpret_cast<const char*>(obj) + g_impl_offset, sizeof impl);
     return impl;
   }
-  PyObject* cdata = Py_TYPE(g_cdata)->tp_descr_get(g_cdata, obj, reinterpret_cast<PyObject*>(Py_TYPE(obj)));
+  PyObject* cdata =
+      Py_TYPE(g_cdata)->tp_descr_get(g_cdata, obj, reinterpret_cast<PyObject*>(Py_TYPE(obj)));
   void* impl = cdata != nullptr ? PyLong_AsVoidPtr(cdata) : nullptr;
   Py_XDECREF(cdata);
   if (impl == nullptr) PyErr_Clear();
@@ -162,12 +163,13 @@ Py_ssize_t torch_api_find_impl_offset(PyObject* samples) {
       break;
     }
     std::vector<Py_ssize_t> found;
-    for (Py_ssize_t off = sizeof(PyObject); off + static_cast<Py_ssize_t>(sizeof(void*)) <= type->tp_basicsize;
-         off += sizeof(void*)) {
+    const auto ptr_size = static_cast<Py_ssize_t>(sizeof(void*));
+    for (Py_ssize_t off = sizeof(PyObject); off + ptr_size <= type->tp_basicsize; off += ptr_size) {
       void* p;
       std::memcpy(&p, reinterpret_cast<const char*>(obj) + off, sizeof p);
-      if (p == want && (i == 0 || std::find(candidates.begin(), candidates.end(), off) != candidates.end()))
-        found.push_back(off);
+      const bool seen = i == 0 || std::find(candidates.begin(), candidates.end(), off) !=
+                                      candidates.end();
+      if (p == want && seen) found.push_back(off);
     }
     candidates.swap(found);
     if (candidates.empty()) break;

@@ -43,3 +43,29 @@ def test_capture_and_replay(backend, n_tensors):
     graph.replay()
     torch.cuda.synchronize()
     assert found_inf.item() == 1.0
+
+
+@pytest.mark.parametrize("n_tensors", [3, 1200], ids=["short", "long_list"])
+def test_bucket_plan_launch_capture_and_replay(n_tensors):
+    """A MasterGradBuffer bucket launch (its cached plan) captured in a graph replays on the
+    new gradient values."""
+    numels = torch.randint(1, 5000, (n_tensors,)).tolist()
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in numels]
+    buf = accumkernels.MasterGradBuffer(params, bucket_size_mb=float("inf"))
+    grads = [torch.randn(n, device="cuda").to(torch.bfloat16) for n in numels]
+    buf.accumulate(params, grads, 0.5)  # warm-up: builds the plan outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        buf.accumulate(params, grads, 0.5)
+    for _ in range(2):
+        for p, g in zip(params, grads):
+            buf.view(p).normal_()
+            g.copy_(torch.randn_like(g, dtype=torch.float32))
+        refs = [Reference(buf.view(p)) for p in params]
+        for r, g in zip(refs, grads):
+            r.add(g, 0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        for r, p in zip(refs, params):
+            r.check(buf.view(p))

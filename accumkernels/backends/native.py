@@ -14,6 +14,7 @@ The extension does not link libtorch. It is reached two ways:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -180,3 +181,27 @@ def accumulate(
         _C.accumulate_cpu(*args, torch.get_num_threads())
     else:
         _C.accumulate_cuda(*args, _stream(device), device.index)
+
+
+def cpu_parallel_threshold(elements: int | None = None) -> int | None:
+    """Elements per call from which the CPU kernel splits the work over threads (None: no
+    extension). With ``elements``, set it (benchmarks measure the crossover) and return the
+    previous value."""
+    if _C is None:
+        return None
+    if elements is None:
+        return _C.cpu_parallel_threshold()
+    return _C.set_cpu_parallel_threshold(elements)
+
+
+def prepared_launch(dst: list[torch.Tensor], src: list[torch.Tensor], scale: float,
+                    overwrite: bool) -> Callable[[], None]:
+    """The portable path's launch with its arguments marshalled once (for benchmarks)."""
+    args = ([d.data_ptr() for d in dst], [x.data_ptr() for x in src], [d.numel() for d in dst],
+            [DTYPE_CODES[x.dtype] for x in src], float(scale), 0, bool(overwrite), 0)
+    device = dst[0].device
+    if device.type == "cpu":
+        threads = torch.get_num_threads()
+        return lambda: _C.accumulate_cpu(*args, threads)
+    stream = _stream(device)
+    return lambda: _C.accumulate_cuda(*args, stream, device.index)

@@ -18,7 +18,8 @@ CHECK_AUTOGRAD = 1  # grad mode is on: a leaf that requires grad may not be writ
 CHECK_INFERENCE = 2  # outside inference mode: an inference tensor may not be written
 
 _LEAF = "a leaf Variable that requires grad is being used in an in-place operation."
-_VIEW_OF_LEAF = "a view of a leaf Variable that requires grad is being used in an in-place operation."
+_VIEW_OF_LEAF = ("a view of a leaf Variable that requires grad is being used in an in-place "
+                 "operation.")
 _INFERENCE = "Inplace update to inference tensor outside InferenceMode is not allowed."
 
 
