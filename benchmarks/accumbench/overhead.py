@@ -189,8 +189,9 @@ def measure_overhead(name: str, fn: Provider, device: torch.device, n_tensors: i
 def cpu_crossover(sizes: tuple[int, ...] = (16384, 24576, 32768, 36864, 40960, 45056, 49152,
                                              65539, 131072), threads: int = 2,
                   batches: int = 15) -> list[dict]:
-    """Per size and src dtype: one CPU-kernel call run serially vs split over ``threads``
-    (the kernel's threshold forced each way), next to ``add_``; min of interleaved batches."""
+    """Per size and src dtype: one ``accumulate_`` call with the CPU kernel run serially vs
+    split over ``threads`` (its threshold forced each way), next to ``add_``; the minimum over
+    interleaved batches (the least disturbed by a shared machine's load)."""
     from accumkernels.backends import native
 
     knob = getattr(native, "cpu_parallel_threshold", None)
@@ -205,19 +206,19 @@ def cpu_crossover(sizes: tuple[int, ...] = (16384, 24576, 32768, 36864, 40960, 4
             for numel in sizes:
                 d, s = torch.randn(numel), torch.randn(numel).to(dtype)
                 inner = max(5, int(4e6 / numel))
-
-                def call(threshold, d=d, s=s):
-                    knob(threshold)
-                    accumkernels.accumulate_([d], [s], 0.5, backend="cpu")
-
-                fns = {"serial": lambda: call(1 << 62), "parallel": lambda: call(0),
-                       "add_": lambda d=d, s=s: d.add_(s, alpha=0.5)}
-                best = {k: math.inf for k in fns}
+                thresholds = {"serial": 1 << 62, "parallel": 0, "add_": old}
+                best = dict.fromkeys(thresholds, math.inf)
                 for _ in range(batches):
-                    for k, f in fns.items():
+                    for k, threshold in thresholds.items():
+                        knob(threshold)
+                        if k == "add_":
+                            fn = lambda d=d, s=s: d.add_(s, alpha=0.5)  # noqa: E731
+                        else:
+                            fn = lambda d=d, s=s: accumkernels.accumulate_(  # noqa: E731
+                                [d], [s], 0.5, backend="cpu")
                         t0 = time.perf_counter()
                         for _ in range(inner):
-                            f()
+                            fn()
                         best[k] = min(best[k], (time.perf_counter() - t0) / inner * 1e6)
                 rows.append({"src_dtype": _SHORT[dtype], "numel": numel,
                              **{f"{k}_us": v for k, v in best.items()},
