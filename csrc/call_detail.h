@@ -1,0 +1,117 @@
+// Pieces shared by the public call (tensor_calls.cpp) and Plan (plan.cpp): failure codes,
+// list access, reusable buffers, the overlap sweep, the autograd refusals, the launch.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "tensor_calls.h"
+
+namespace accumkernels {
+namespace detail {
+
+// (code, i, j): a broken rule, for the Python layer to name (see tensor_calls.h).
+py::object failure(const char* code, int64_t i = -1, int64_t j = -1);
+
+struct Device {
+  int32_t type, index;
+  bool holds(const TensorMeta& m) const { return m.device_type == type && m.device_index == index; }
+};
+
+// A list as a borrowed item array (lists and tuples are used in place, others copied once).
+class Items {
+ public:
+  explicit Items(py::handle seq) {
+    PyObject* fast = PySequence_Fast(seq.ptr(), "expected a list or tuple of tensors");
+    if (fast == nullptr) throw py::error_already_set();
+    guard_ = py::reinterpret_steal<py::object>(fast);
+    size_ = PySequence_Fast_GET_SIZE(fast);
+    items_ = PySequence_Fast_ITEMS(fast);
+  }
+  Py_ssize_t size() const { return size_; }
+  PyObject* operator[](Py_ssize_t i) const { return items_[i]; }
+  py::handle seq() const { return guard_; }
+
+ private:
+  py::object guard_;
+  Py_ssize_t size_ = 0;
+  PyObject** items_ = nullptr;
+};
+
+// ---- per-call buffers ------------------------------------------------------------------------
+
+struct Span {
+  uintptr_t begin, end;
+  int32_t index;
+  bool is_dst;
+  bool f32;  // src only: float32, so an identical dst span is the elementwise in-place case
+};
+
+// Vectors reused from call to call (a call on a short list must not pay for allocations).
+struct Scratch {
+  std::vector<TensorPair> pairs;
+  std::vector<int32_t> index;
+  std::vector<Span> dst, src, all;
+  std::vector<int32_t> order;
+  std::vector<TensorMeta> metas;
+  bool busy = false;
+};
+
+// The thread's Scratch, or a fresh one if a call re-enters (Python code run by a decref).
+class ScratchLease {
+ public:
+  ScratchLease() {
+    thread_local Scratch shared;
+    if (!shared.busy) {
+      s_ = &shared;
+    } else {
+      own_ = std::make_unique<Scratch>();
+      s_ = own_.get();
+    }
+    s_->busy = true;
+    for (auto* v : {&s_->dst, &s_->src, &s_->all}) v->clear();
+    s_->pairs.clear();
+    s_->index.clear();
+    s_->order.clear();
+    s_->metas.clear();
+  }
+  ~ScratchLease() { s_->busy = false; }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  Scratch* operator->() const { return s_; }
+
+ private:
+  Scratch* s_ = nullptr;
+  std::unique_ptr<Scratch> own_;
+};
+
+
+inline bool overlaps(uintptr_t a0, uintptr_t a1, uintptr_t b0, uintptr_t b1) {
+  return a0 < b1 && b0 < a1;
+}
+
+// No dst may overlap another dst, and no src a dst unless it is exactly that dst's memory as
+// float32; None or the failure. Sorts `dst` and `src`; `all` is scratch space.
+py::object find_overlap(std::vector<Span>& dst, std::vector<Span>& src, std::vector<Span>& all);
+
+// What torch's in-place ops refuse (by `flags`): nullptr, "grad", "inference" or "slow".
+const char* refuse_write(PyObject* t, int flags);
+// The failure for a refusal of dst (`name` "dst") or found_inf.
+py::object refusal(const char* r, const char* name, int64_t i);
+
+py::list copy_list(py::handle seq);  // a new list (the caller may change its own)
+void bump_versions(py::handle tensors);  // torch._C._increment_version(tensors)
+
+// An optional 1-element float32 tensor on `dev`: nullptr (ok; `present` set), `name` or "slow".
+const char* read_scalar(py::handle t, const char* name, const Device& dev, TensorMeta& m,
+                        bool& present);
+void check_kernel_device(const CallOptions& o, const Device& dev);
+void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o,
+                const TensorMeta* scale, const TensorMeta* found_inf);
+bool reader_ready();  // the tensor reader is on and set_increment_version was called
+
+}  // namespace detail
+}  // namespace accumkernels

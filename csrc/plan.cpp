@@ -1,0 +1,186 @@
+// Plan (tensor_calls.h): a fixed dst list checked once; each launch reads only the src side.
+#include <algorithm>
+#include <memory>
+#include <stdexcept>
+
+#include "call_detail.h"
+#include "tensor_calls.h"
+
+namespace accumkernels {
+
+using namespace detail;
+
+// ---- Plan ------------------------------------------------------------------------------------
+
+py::object Plan::create(py::handle dst_seq, py::handle keys, py::handle owner, bool inference) {
+  if (!reader_ready()) return failure("slow");
+  std::unique_ptr<Plan> plan(new Plan());
+  plan->dst_ = copy_list(dst_seq);  // private copies: the caller may change its lists
+  plan->keys_ = keys.is_none() ? py::object(py::none()) : py::object(copy_list(keys));
+  plan->owner_ = py::reinterpret_borrow<py::object>(owner);
+  plan->inference_ = inference;
+  const Items dst(plan->dst_);
+  const auto n = static_cast<size_t>(dst.size());
+  if (!keys.is_none()) {
+    const Items k(plan->keys_);
+    if (static_cast<size_t>(k.size()) != n)
+      throw std::invalid_argument("Plan: keys and dst differ in length");
+    for (size_t i = 0; i < n; ++i)
+      if (!plan->slot_of_.emplace(k[i], static_cast<int32_t>(i)).second)
+        throw std::invalid_argument("Plan: a key appears twice");
+  }
+  std::vector<Span> spans, no_src, all;
+  TensorMeta d{};
+  for (size_t i = 0; i < n; ++i) {
+    if (!read_meta(dst[i], d)) return failure("slow");
+    if (i == 0) plan->device_type_ = d.device_type, plan->device_index_ = d.device_index;
+    const Device dev{plan->device_type_, plan->device_index_};
+    if (d.dtype != kFloat32 || !d.contiguous || !dev.holds(d) || (d.numel > 0 && d.data == 0))
+      return failure("dst", static_cast<int64_t>(i));
+    plan->slots_.push_back({d.data, d.numel, plan->sizes_.size(), d.ndim});
+    plan->sizes_.insert(plan->sizes_.end(), d.sizes, d.sizes + d.ndim);
+    if (d.numel == 0) continue;
+    spans.push_back({d.data, d.end(), static_cast<int32_t>(i), true, true});
+    plan->lo_ = spans.size() == 1 ? d.data : std::min(plan->lo_, d.data);
+    plan->hi_ = std::max(plan->hi_, d.end());
+  }
+  py::object overlap = find_overlap(spans, no_src, all);
+  if (!overlap.is_none()) return overlap;
+  plan->stamp_.assign(n, 0);
+  plan->pos_.assign(n, -1);
+  return py::cast(plan.release(), py::return_value_policy::take_ownership);
+}
+
+bool Plan::src_fits(const TensorMeta& m, const Slot& s) const {
+  if (m.dtype < 0 || !m.contiguous || m.device_type != device_type_ ||
+      m.device_index != device_index_ || m.ndim != s.ndim || (m.numel > 0 && m.data == 0))
+    return false;
+  return std::equal(m.sizes, m.sizes + m.ndim, sizes_.begin() + static_cast<ptrdiff_t>(s.sizes_at));
+}
+
+py::object Plan::check_overlaps(const std::vector<int32_t>& order,
+                                const std::vector<TensorMeta>& src, const TensorMeta* scale,
+                                const TensorMeta* found_inf) const {
+  // Only tensors inside [lo_, hi_) can touch a dst: check those against this launch's dst.
+  for (size_t k = 0; k < src.size(); ++k) {
+    const TensorMeta& x = src[k];
+    if (x.numel == 0 || !overlaps(x.data, x.end(), lo_, hi_)) continue;
+    for (size_t j = 0; j < order.size(); ++j) {
+      const Slot& s = slots_[static_cast<size_t>(order[j])];
+      if (s.numel == 0 || !overlaps(x.data, x.end(), s.data, s.data + 4 * s.numel)) continue;
+      const bool twin = j == k && x.data == s.data && x.dtype == kFloat32;  // same numel: checked
+      if (!twin) return failure("src_overlap", static_cast<int64_t>(k), static_cast<int64_t>(j));
+    }
+  }
+  for (const TensorMeta* t : {found_inf, scale}) {
+    if (t == nullptr || !overlaps(t->data, t->end(), lo_, hi_)) continue;
+    for (size_t j = 0; j < order.size(); ++j) {
+      const Slot& s = slots_[static_cast<size_t>(order[j])];
+      if (s.numel > 0 && overlaps(t->data, t->end(), s.data, s.data + 4 * s.numel))
+        return failure(t == found_inf ? "found_inf_dst" : "scale_dst", static_cast<int64_t>(j));
+    }
+  }
+  if (found_inf != nullptr) {
+    if (scale != nullptr && overlaps(found_inf->data, found_inf->end(), scale->data, scale->end()))
+      return failure("found_inf_scale");
+    for (size_t k = 0; k < src.size(); ++k)
+      if (src[k].numel > 0 &&
+          overlaps(found_inf->data, found_inf->end(), src[k].data, src[k].end()))
+        return failure("found_inf_src", static_cast<int64_t>(k));
+  }
+  return py::none();
+}
+
+py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) {
+  if (!torch_api_ready()) return failure("slow");
+  const Items src(src_seq);
+  const auto n = static_cast<size_t>(src.size());
+  const Device dev{device_type_, device_index_};
+  if (n == 0) return py::none();
+  check_kernel_device(o, dev);
+  const bool identity = keys.is_none();
+  if (identity && n != slots_.size())
+    throw std::invalid_argument("Plan.run: without keys, src must cover every dst");
+  std::unique_ptr<Items> key_items;
+  if (!identity) {
+    if (keys_.is_none()) throw std::invalid_argument("Plan.run: this plan has no keys");
+    key_items = std::make_unique<Items>(keys);
+    if (static_cast<size_t>(key_items->size()) != n)
+      throw std::invalid_argument("Plan.run: keys and src differ in length");
+  }
+  if (++launch_ == 0) {  // the stamp counter wrapped: forget every stamp
+    std::fill(stamp_.begin(), stamp_.end(), 0);
+    launch_ = 1;
+  }
+  const Items own_keys(keys_.is_none() ? py::handle(dst_) : py::handle(keys_));  // fast match
+  ScratchLease scratch;
+  std::vector<int32_t>& order = scratch->order;
+  std::vector<TensorMeta>& metas = scratch->metas;
+  std::vector<TensorPair>& pairs = scratch->pairs;
+  order.resize(n);
+  metas.resize(n);
+  for (size_t k = 0; k < n; ++k) {
+    int32_t s = static_cast<int32_t>(k);
+    if (!identity) {
+      PyObject* key = (*key_items)[static_cast<Py_ssize_t>(k)];
+      if (k >= slots_.size() || key != own_keys[static_cast<Py_ssize_t>(k)]) {
+        const auto it = slot_of_.find(key);
+        if (it == slot_of_.end()) return failure("not_member", static_cast<int64_t>(k));
+        s = it->second;
+      }
+    }
+    const auto su = static_cast<size_t>(s);
+    if (stamp_[su] == launch_) return failure("dst_alias", pos_[su], static_cast<int64_t>(k));
+    stamp_[su] = launch_;
+    pos_[su] = static_cast<int32_t>(k);
+    order[k] = s;
+    TensorMeta& x = metas[k];
+    if (!read_meta(src[static_cast<Py_ssize_t>(k)], x)) return failure("slow");
+    const Slot& slot = slots_[su];
+    if (!src_fits(x, slot)) return failure("pair", static_cast<int64_t>(k));
+    if (slot.numel > 0)
+      pairs.push_back({reinterpret_cast<float*>(slot.data), reinterpret_cast<const void*>(x.data),
+                       slot.numel, x.dtype});
+  }
+  TensorMeta scale{}, found{};
+  bool has_scale = false, has_found = false;
+  if (const char* f = read_scalar(o.scale_tensor, "scale", dev, scale, has_scale))
+    return failure(f);
+  if (const char* f = read_scalar(o.found_inf, "found_inf", dev, found, has_found))
+    return failure(f);
+  py::object overlap = check_overlaps(order, metas, has_scale ? &scale : nullptr,
+                                      has_found ? &found : nullptr);
+  if (!overlap.is_none()) return overlap;
+
+  // Inference-ness never changes (checked at creation); with an owner, the dst are its views
+  // and require grad exactly when it does, so one look covers them all.
+  if ((o.flags & kCheckInference) && inference_) return failure("dst_inference", 0);
+  if (o.flags & kCheckAutograd) {
+    if (!owner_.is_none()) {
+      if (const char* r = refuse_write(owner_.ptr(), kCheckAutograd)) return refusal(r, "dst", 0);
+    } else {
+      for (size_t k = 0; k < n; ++k)
+        if (const char* r = refuse_write(PyList_GET_ITEM(dst_.ptr(), order[k]), kCheckAutograd))
+          return refusal(r, "dst", static_cast<int64_t>(k));
+    }
+  }
+  if (has_found)
+    if (const char* r = refuse_write(o.found_inf.ptr(), o.flags))
+      return refusal(r, "found_inf", -1);
+  if (!owner_.is_none()) {
+    bump_versions(py::make_tuple(owner_));
+  } else {
+    py::tuple written(n);
+    for (size_t k = 0; k < n; ++k) {
+      PyObject* t = PyList_GET_ITEM(dst_.ptr(), order[k]);
+      Py_INCREF(t);
+      PyTuple_SET_ITEM(written.ptr(), static_cast<Py_ssize_t>(k), t);
+    }
+    bump_versions(written);
+  }
+  if (has_found) bump_versions(py::make_tuple(o.found_inf));
+  run_kernel(pairs, o, has_scale ? &scale : nullptr, has_found ? &found : nullptr);
+  return py::none();
+}
+
+}  // namespace accumkernels
