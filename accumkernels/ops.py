@@ -154,7 +154,7 @@ def accumulate_(
         name = backends.resolve(backend, device)
     if not (_is_compiling() or _dispatch_modes() or _functorch_active()):  # plain eager
         if name == "cpu" and native.READER:  # the common case, straight to the extension
-            flags = ((CHECK_AUTOGRAD if _grad_enabled() else 0)
+            flags = ((CHECK_AUTOGRAD if _grad_enabled() else 0)  # _flags(), inlined
                      | (0 if _inference_mode() else CHECK_INFERENCE))
             if native.run_cpu(dst, src, value, scale_tensor, overwrite, found_inf, flags) is None:
                 return
@@ -181,8 +181,7 @@ def _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, device) -
     if device.type == "meta":  # no data: check what can be checked, write nothing
         validate.check_shapes(dst, src, scale_tensor, found_inf)
         return
-    flags = ((CHECK_AUTOGRAD if _grad_enabled() else 0)
-             | (0 if _inference_mode() else CHECK_INFERENCE))
+    flags = _flags()
     if native.READER:
         failed = native.run(dst, src, scale, scale_tensor, overwrite, found_inf, flags, backend,
                             device)
