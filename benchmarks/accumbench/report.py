@@ -50,18 +50,25 @@ def format_overhead(overhead: dict, device: str) -> str:
     lines = [
         (f"host overhead per call: {cfg['n_tensors']} tensors x {cfg['numel_per_tensor']} "
          f"elements, {cfg['dtype']} (us per call, {BATCH_NOTE})"),
-        ("  layers of accumulate_: validation = accumulate_ - custom op; dispatch = custom op - "
-         "backend module; marshal = backend module - compiled binding; binding = the C++ call"
+        ("  layers of accumulate_: validation = accumulate_ - backend module; dispatch = custom "
+         "op - backend module (the path compiled graphs take); marshal = backend module - "
+         "compiled binding; binding = the C++ call"
          + (" (on the CPU it includes the kernel's work)" if cpu else " (launch only)")),
+        ("  bucket plan = MasterGradBuffer.accumulate on one bucket (the wrapper's launch); "
+         "foreach = torch._foreach_add_ on the same list in fp32; x = ratio to foreach"),
         (f"{'provider':<20} {'host us':>9} {'wall us':>9} {'device us':>9} {'validation':>10} "
-         f"{'dispatch':>9} {'marshal':>8} {'binding':>8}  status"),
+         f"{'dispatch':>9} {'marshal':>8} {'binding':>8} {'plan us':>8} {'foreach':>8} "
+         f"{'call x':>6} {'plan x':>6}  status"),
     ]
     for r in overhead["rows"]:
         lines.append(
             f"{r['provider']:<20} {_fmt(r['host_us'], '9.1f'):>9} {_fmt(r['wall_us'], '9.1f'):>9} "
             f"{_fmt(r['device_us'], '9.1f'):>9} {_fmt(r['validation_us'], '10.1f'):>10} "
             f"{_fmt(r['dispatch_us'], '9.1f'):>9} {_fmt(r['marshal_us'], '8.1f'):>8} "
-            f"{_fmt(r['binding_us'], '8.1f'):>8}  {r['status']}"
+            f"{_fmt(r['binding_us'], '8.1f'):>8} {_fmt(r.get('plan_us'), '8.1f'):>8} "
+            f"{_fmt(r.get('foreach_us'), '8.1f'):>8} "
+            f"{_fmt(r.get('ratio_vs_foreach'), '6.2f'):>6} "
+            f"{_fmt(r.get('plan_ratio_vs_foreach'), '6.2f'):>6}  {r['status']}"
             + (f" ({r['error']})" if r["error"] else ""))
     return "\n".join(lines)
 
