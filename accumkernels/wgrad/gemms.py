@@ -8,9 +8,9 @@ already set ``found_inf`` for a non-finite result (else the caller runs :func:`f
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from accumkernels._util import LOW_PRECISION, triton_usable
 
 from .triton_gemm import gemm_triton
 
@@ -18,7 +18,6 @@ __all__ = ["AUTO_ORDER", "GEMMS", "GEMM_BACKENDS", "LOW_PRECISION", "available_g
            "flag_nonfinite", "resolve", "supported"]
 
 GEMM_BACKENDS = ("addmm_out_dtype", "triton", "mm_out_dtype", "fp32")
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 AUTO_ORDER = {"cuda": ("addmm_out_dtype", "triton", "mm_out_dtype", "fp32")}
 
 
@@ -74,16 +73,6 @@ def flag_nonfinite(view: torch.Tensor, found_inf: torch.Tensor | None) -> None:
 _support_cache: dict[tuple[str, str, torch.dtype], bool] = {}
 
 
-def _triton_usable(device: torch.device) -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _probe(name: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Run ``name`` once on small data (both beta modes) and check it against float64."""
     gen = torch.Generator().manual_seed(0)
@@ -112,7 +101,7 @@ def supported(name: str, device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if name in ("addmm_out_dtype", "mm_out_dtype") and device.type != "cuda":
         return False
-    if name == "triton" and not _triton_usable(device):
+    if name == "triton" and not triton_usable(device):
         return False
     key = (name, str(device), dtype)
     if key not in _support_cache:
