@@ -77,6 +77,9 @@ class Intake:
         self.buffer = buffer
         self.views = [buffer.view(p) for p in params]
         self._index = {id(p): i for i, p in enumerate(params)}
+        self._bucket_index = [buffer.bucket_of(p).index for p in params]
+        self._bucket_len = [len(b.params) for b in buffer.buckets]
+        self._check_each_microbatch = owner.config.nonfinite == "skip_microbatch"
         self.move_in_backward = move_in_backward
         self.pending: dict[int, dict[int, torch.Tensor]] = {}  # bucket index -> {id: param}
         self._flushed: dict[int, int] = {}  # bucket index -> params moved early (flush)
@@ -132,9 +135,15 @@ class Intake:
 
         node.register_hook(outer_continues)
 
+    def _starting(self) -> bool:
+        """Whether ``_begin`` has anything to do (the hot hooks skip the call otherwise)."""
+        return not self._active or (not self._deferred and self._end_ref() is None)
+
     def before_grad(self, i: int) -> None:
-        self._begin()
-        self._hide(i)
+        if self._starting():
+            self._begin()
+        if self.params[i].grad is not None:
+            self._hide(i)
 
     def _hide(self, i: int) -> None:
         p = self.params[i]
@@ -151,24 +160,28 @@ class Intake:
         p.grad = None
 
     def after_grad(self, i: int) -> None:
-        self._begin()
+        if self._starting():
+            self._begin()
         self._got_grad = True
         if not self.move_in_backward:
             return
         p = self.params[i]
         if p.grad is None:  # undefined gradient (a Function returned None, or a fused write)
             return
-        bucket = self.buffer.bucket_of(p)
-        pend = self.pending.setdefault(bucket.index, {})
+        index = self._bucket_index[i]
+        pend = self.pending.get(index)
+        if pend is None:
+            pend = self.pending[index] = {}
         pend[id(p)] = p
-        owner = self._owner()
-        if owner is None or owner._nonfinite.per_microbatch:
+        if self._check_each_microbatch:
             return  # checked, then moved, at the end of the backward
-        if len(pend) + self._flushed.get(bucket.index, 0) == len(bucket.params):
-            del self.pending[bucket.index]
-            self.launch(bucket, list(pend.values()))
-        elif owner._dp.move_each_now:  # DDP(static_graph=True), first sync (optim.distributed)
-            self.flush([p])
+        if len(pend) + self._flushed.get(index, 0) == self._bucket_len[index]:
+            del self.pending[index]
+            self.launch(self.buffer.buckets[index], list(pend.values()))
+        else:
+            owner = self._owner()
+            if owner is not None and owner._dp.move_each_now:  # DDP(static_graph=True), first
+                self.flush([p])  # sync (optim.distributed)
 
     def flush(self, params: list[torch.Tensor]) -> None:
         """Move the pending gradients of ``params`` now, before their bucket is complete
