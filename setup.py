@@ -3,7 +3,9 @@
 Environment switches:
   ACCUMKERNELS_CUDA=auto|0|1   auto (default): CUDA kernels when nvcc is found; 1: require them;
                                0: CPU kernels only.
-  ACCUMKERNELS_CUDA_ARCHS      CUDA architectures, CMake syntax (default "80;90").
+  ACCUMKERNELS_CUDA_ARCHS      CUDA architectures, CMake syntax (default "80;90"); each must be in
+                               `nvcc --list-gpu-arch` (nvcc 13: sm_75 and newer).
+  ACCUMKERNELS_CUDA_STORE      stwb (default) | ptx: the CUDA kernel's 16-byte store (a tuning switch).
   MAX_JOBS                     parallel compile jobs.
   CMAKE_ARGS                   extra arguments for the CMake configure step.
   CMAKE_GENERATOR              CMake generator (default: Ninja when available).
@@ -114,6 +116,10 @@ class CMakeBuild(build_ext):
         # Always passed, so a reused build dir does not keep an older cached list.
         archs = os.environ.get("ACCUMKERNELS_CUDA_ARCHS", "").strip() or DEFAULT_CUDA_ARCHS
         cmake_args.append(f"-DACCUMKERNELS_CUDA_ARCHS={archs}")
+        store = os.environ.get("ACCUMKERNELS_CUDA_STORE", "").strip().lower() or "stwb"
+        if store not in ("stwb", "ptx"):
+            raise SystemExit(f"ACCUMKERNELS_CUDA_STORE must be stwb or ptx (got {store!r})")
+        cmake_args.append(f"-DACCUMKERNELS_CUDA_STORE={store}")
         user_args = shlex.split(os.environ.get("CMAKE_ARGS", ""))
         if mode != "OFF" and not any(a.startswith("-DCMAKE_CUDA_COMPILER") for a in user_args):
             nvcc = _find_nvcc()

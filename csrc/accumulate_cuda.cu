@@ -11,6 +11,12 @@
 //    tensor by binary search over the prefix sums, so any list is one launch;
 //  * the dtype branch is uniform per chunk; aligned chunks use 16-byte loads/stores
 //    (8 bf16/fp16 -> 2 x float4), unaligned tensors and tails a scalar loop.
+//
+// Compile-time switch ACCUMKERNELS_VEC_STORE picks the 16-byte store of the vector path (set by
+// CMake's ACCUMKERNELS_CUDA_STORE, so a GPU session can build and time both):
+//   0 (default) __stwb: PTX st.global.wb.v4.f32, which nvcc 13.0 compiles to
+//     STG.E.128.STRONG.SM for sm_80 and sm_90 (a strong store at SM scope; cuobjdump -sass);
+//   1 inline PTX st.global.v4.f32: a weak store, plain STG.E.128, same register count.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -23,6 +29,13 @@
 #include <vector>
 
 #include "accumulate.h"
+
+#ifndef ACCUMKERNELS_VEC_STORE
+#define ACCUMKERNELS_VEC_STORE 0
+#endif
+#if ACCUMKERNELS_VEC_STORE != 0 && ACCUMKERNELS_VEC_STORE != 1
+#error "ACCUMKERNELS_VEC_STORE must be 0 (__stwb) or 1 (PTX st.global.v4.f32)"
+#endif
 
 namespace accumkernels {
 namespace {
@@ -111,6 +124,19 @@ __device__ __forceinline__ void load8_dst(const float* p, float (&x)[kVec]) {
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
 }
 
+// Store 4 floats at p (16-byte aligned). A plain `*reinterpret_cast<float4*>(p) = v` is split
+// into 4 scalar stores by nvcc here, so the vector path names its store explicitly (see the
+// ACCUMKERNELS_VEC_STORE note at the top).
+__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
+#if ACCUMKERNELS_VEC_STORE == 1
+  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c),
+               "f"(d)
+               : "memory");
+#else
+  __stwb(reinterpret_cast<float4*>(p), make_float4(a, b, c, d));
+#endif
+}
+
 // One chunk (len <= kChunkElems elements) by the whole block; returns this thread's bad flag.
 template <typename T, bool kOverwrite>
 __device__ __forceinline__ bool accumulate_chunk(float* __restrict__ dst,
@@ -140,11 +166,9 @@ __device__ __forceinline__ bool accumulate_chunk(float* __restrict__ dst,
             bad |= nonfinite(x[u][k]);
             d[u][k] = kOverwrite ? scale * x[u][k] : fmaf(scale, x[u][k], d[u][k]);
           }
-          // __stwb (= a plain store) because nvcc splits `*float4_ptr = v` into 4 scalar
-          // stores here; the intrinsic keeps the 16-byte st.global.v4.
-          auto* out = reinterpret_cast<float4*>(dst + v * kVec);
-          __stwb(out, make_float4(d[u][0], d[u][1], d[u][2], d[u][3]));
-          __stwb(out + 1, make_float4(d[u][4], d[u][5], d[u][6], d[u][7]));
+          float* out = dst + v * kVec;
+          store4(out, d[u][0], d[u][1], d[u][2], d[u][3]);
+          store4(out + 4, d[u][4], d[u][5], d[u][6], d[u][7]);
         }
       }
     }
@@ -279,10 +303,62 @@ bool stream_is_capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+std::string version_text(int v) {  // 13000 -> "13.0"
+  return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+}
+
+// Loads one kernel instantiation (cudaFuncGetAttributes forces the lazy module load).
+template <class Table, bool kOverwrite>
+cudaError_t load_kernel() {
+  cudaFuncAttributes attr{};
+  return cudaFuncGetAttributes(&attr, accumulate_kernel<Table, kOverwrite>);
+}
+
 }  // namespace
 
-std::string cuda_runtime_version() {
-  return std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+std::string cuda_runtime_version() { return version_text(CUDART_VERSION); }
+
+std::string cuda_vec_store() { return ACCUMKERNELS_VEC_STORE == 1 ? "ptx" : "stwb"; }
+
+std::string cuda_prepare(int device) {
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0) {
+    (void)cudaGetLastError();
+    return "no CUDA driver found";
+  }
+  // Minor-version compatibility: a CUDA 13.x runtime runs on any 13.x driver (R580+), not on 12.x.
+  if (driver / 1000 < CUDART_VERSION / 1000)
+    return "the CUDA driver supports CUDA " + version_text(driver) + ", older than the CUDA " +
+           version_text(CUDART_VERSION) + " runtime the extension was built with (CUDA " +
+           std::to_string(CUDART_VERSION / 1000) + " needs driver R" +
+           (CUDART_VERSION / 1000 >= 13 ? "580" : "525") + " or newer)";
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(err);
+  }
+  if (device < 0 || device >= count)
+    return "no CUDA device " + std::to_string(device) + " (" + std::to_string(count) + " visible)";
+  try {
+    DeviceGuard guard(device);
+    // Every instantiation, so that no kernel is first loaded inside a CUDA-graph capture.
+    const cudaError_t loads[] = {
+        load_kernel<ParamTable<64>, false>(),  load_kernel<ParamTable<64>, true>(),
+        load_kernel<ParamTable<256>, false>(), load_kernel<ParamTable<256>, true>(),
+        load_kernel<ParamTable<kMaxParamTensors>, false>(),
+        load_kernel<ParamTable<kMaxParamTensors>, true>(),
+        load_kernel<DeviceTable, false>(),     load_kernel<DeviceTable, true>()};
+    for (const cudaError_t e : loads) {
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return std::string("loading the accumulate kernels failed: ") + cudaGetErrorString(e);
+      }
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
 }
 
 void accumulate_cuda(const AccumulateArgs& a, void* stream_handle, int device) {

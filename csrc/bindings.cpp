@@ -145,15 +145,33 @@ PYBIND11_MODULE(_C, m) {
         info["cuda_archs"] = kHasCuda ? std::string(ACCUMKERNELS_CUDA_ARCHS) : std::string();
 #if defined(ACCUMKERNELS_WITH_CUDA)
         info["cuda_version"] = ak::cuda_runtime_version();
+        info["cuda_vec_store"] = ak::cuda_vec_store();
 #else
         info["cuda_version"] = py::none();
+        info["cuda_vec_store"] = py::none();
 #endif
         info["cuda_runtime"] = kHasCuda ? "static" : "";
         info["openmp"] = ak::cpu_has_openmp();
         info["simd"] = ak::cpu_simd_name();
         return info;
       },
-      "What was compiled in: CUDA (archs, runtime version), OpenMP, the CPU SIMD path in use.");
+      "What was compiled in: CUDA (archs, runtime version, vector store), OpenMP, the CPU SIMD path "
+      "in use.");
+
+  m.def(
+      "cuda_prepare",
+      [](int device) -> std::string {
+#if defined(ACCUMKERNELS_WITH_CUDA)
+        py::gil_scoped_release no_gil;
+        return ak::cuda_prepare(device);
+#else
+        (void)device;
+        return "accumkernels._C was built without CUDA";
+#endif
+      },
+      py::arg("device"),
+      "Check that the CUDA kernels can run on `device` (driver new enough, device present) and "
+      "load every kernel instantiation; '' when usable, else why not.");
 
   m.def(
       "init_torch_api",

@@ -68,8 +68,12 @@ def _resolve(name: str, device: torch.device) -> str:
                 return candidate
         return "torch"
     if not is_available(name, device):
+        why = ""
+        if name == "cuda" and device.type == "cuda" and get("cuda")._C is not None:
+            problem = get("cuda")._CUDA_PROBLEMS.get(device.index)
+            why = f" ({problem})" if problem else ""
         raise ValueError(
-            f"accumulate_: backend {name!r} is not available on device {device}; "
+            f"accumulate_: backend {name!r} is not available on device {device}{why}; "
             f"available: {available_backends(device)}"
         )
     return name

@@ -14,6 +14,7 @@ The extension does not link libtorch. It is reached two ways:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,12 +36,38 @@ DTYPE_CODES: dict[torch.dtype, int] = {} if _C is None else {
 KERNELS = {"cpu": 1, "cuda": 2}  # backend -> KernelKind of csrc/tensor_calls.h (0: check only)
 
 
+# device index -> why the CUDA kernels cannot run there (None: they can); probed once per device.
+_CUDA_PROBLEMS: dict[int, str | None] = {}
+
+
+def cuda_problem(device: torch.device) -> str | None:
+    """Why the compiled CUDA kernels cannot run on ``device`` (None: they can).
+
+    Asked once per device, the first time a backend is resolved for it: the extension links a
+    static CUDA 13 runtime, which needs driver R580+, and torch may run on an older driver that
+    its own runtime accepts. The probe also loads every kernel instantiation, so that none is
+    first loaded inside a CUDA-graph capture. An unusable device is reported with one warning;
+    ``auto`` then picks the next backend.
+    """
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index in _CUDA_PROBLEMS:
+        return _CUDA_PROBLEMS[index]
+    why = _C.cuda_prepare(index) or None
+    _CUDA_PROBLEMS[index] = why
+    if why is not None:
+        warnings.warn(f"accumkernels: the compiled CUDA kernels cannot run on cuda:{index}: {why}; "
+                      "backend='auto' uses the next one (triton, else torch)", RuntimeWarning,
+                      stacklevel=2)
+    return why
+
+
 def is_available(device: torch.device) -> bool:
     if _C is None:
         return False
     if device.type == "cpu":
         return True
-    return device.type == "cuda" and _C.has_cuda() and torch.cuda.is_available()
+    return (device.type == "cuda" and _C.has_cuda() and torch.cuda.is_available()
+            and cuda_problem(device) is None)
 
 
 def _torch_libraries() -> list[str]:
