@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -58,3 +59,13 @@ def triton_usable(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_available()
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a Triton launch on ``device`` runs in: that CUDA device made current (Triton
+    launches on the current device's current stream, and torch enqueues host-to-device copies on
+    the destination device's current stream: both on the tensors' device, in order), a no-op for
+    the CPU (interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

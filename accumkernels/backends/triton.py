@@ -1,16 +1,19 @@
 """Triton backend: one launch per source dtype for a whole tensor list.
 
-The host builds a small int64 table per call (dst/src addresses, sizes, first block of each
-tensor); every program finds its tensor by binary search in the block prefix sums, then does
-pid -> offsets -> mask like any element-wise Triton kernel. Runs on CUDA tensors, and on CPU
-tensors under ``TRITON_INTERPRET=1`` (tests only).
+The host builds a small int64 table per call: for every tensor its element offsets from two base
+pointers (one dst and one src of the launch, chosen 16-byte aligned), its size, its first block
+and whether both its pointers are 16-byte aligned. Every program finds its tensor by binary
+search in the block prefix sums. A full block of an aligned pair takes a path with alignment
+hints and no mask, which Triton compiles to 16-byte loads and stores; tails and unaligned views
+take the masked path. Runs on CUDA tensors (launched on their device, on its current stream),
+and on CPU tensors under ``TRITON_INTERPRET=1`` (tests only).
 """
 
 from __future__ import annotations
 
 import torch
 
-from accumkernels._util import triton_usable
+from accumkernels._util import on_device, triton_usable
 
 try:
     import triton
@@ -19,11 +22,25 @@ except ImportError:  # triton is optional
     triton = None
 
 # Elements per program: 4096 fp32 = 16 KB of dst per program, enough to hide latency with
-# 4 warps while keeping the tail of small tensors short.
+# 4 warps while keeping the tail of small tensors short. Read at every launch, so a tuning
+# script may set them.
 BLOCK = 4096
 NUM_WARPS = 4
-# Pointer tables of launches captured in CUDA graphs, kept alive for the graphs' replays.
-_CAPTURED_TABLES: list[tuple[torch.Tensor, torch.Tensor]] = []
+TAIL = 512  # elements per step of the masked path (see the kernel)
+# bf16/fp16 source elements per hinted access: 8 = 16-byte loads, whose layout Triton converts
+# to the fp32 dst's through shared memory (50 registers on sm_90); 4 = 8-byte loads in the dst's
+# own layout (no shared memory, 32-34 registers). A tuning knob: see benchmarks/NOTES.md.
+HALF_SRC_VEC = 8
+ALIGN = 16  # bytes: one 128-bit access
+
+# Pointer tables of launches captured in CUDA graphs. A captured launch re-reads its table on
+# every replay, and its host-to-device copy re-reads the pinned host buffer, so both must live
+# as long as the graph. They are tied to the graph object (attribute below): freed with it. A
+# capture that torch did not start has no graph object; its tables go to _UNOWNED, keyed by
+# content (capturing the same list again reuses them) and bounded by _UNOWNED_LIMIT bytes.
+_GRAPH_ATTR = "_accumkernels_triton_tables"
+_UNOWNED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_UNOWNED_LIMIT = 64 << 20
 
 
 def is_available(device: torch.device) -> bool:
@@ -31,24 +48,59 @@ def is_available(device: torch.device) -> bool:
 
 
 if triton is not None:
-    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+    @triton.jit
+    def _accumulate_block(
+        d_ptrs,  # float32 pointers of this block's dst elements
+        x_ptrs,  # source pointers of the same elements
+        mask,  # lanes in range (MASKED only)
+        s,  # fp32 scale
+        found_inf_ptr,
+        MASKED: tl.constexpr,
+        OVERWRITE: tl.constexpr,
+        CHECK_FINITE: tl.constexpr,
+    ):
+        if MASKED:
+            x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptrs).to(tl.float32)
+        if OVERWRITE:
+            y = x * s
+        elif MASKED:
+            y = tl.load(d_ptrs, mask=mask) + x * s
+        else:
+            y = tl.load(d_ptrs) + x * s
+        if MASKED:
+            tl.store(d_ptrs, y, mask=mask)
+        else:
+            tl.store(d_ptrs, y)
+        if CHECK_FINITE:  # masked-out lanes hold 0
+            nonfinite = (x != x) | (tl.abs(x) == float("inf"))  # noqa: PLR0124
+            bad = tl.max(nonfinite.to(tl.int32), axis=0)
+            if bad > 0:
+                tl.store(found_inf_ptr, 1.0)
 
     @triton.jit
     def _accumulate_kernel(
-        table_ptr,  # int64 [4, n_tensors]: dst address, src address, numel, first block id
+        table_ptr,  # int64 [5, n_tensors]: dst offset, src offset (elements from the bases),
+        # numel, first block id, 1 if both pointers are 16-byte aligned (else 0)
         n_tensors,  # number of tensors in the table
+        dst_base,  # float32*: a dst of this launch (16-byte aligned if any is); dst i is at
+        # dst_base + table[0, i]
+        src_base,  # source dtype*: the same for src (table[1, i])
         scale_ptr,  # float32* device scale, read when SCALE_FROM_PTR
         scale,  # float scale, used otherwise
         found_inf_ptr,  # float32* set to 1.0 on any inf/NaN in src, when CHECK_FINITE
-        SRC_DTYPE: tl.constexpr,  # pointee dtype of every src in this launch
         SCALE_FROM_PTR: tl.constexpr,
         OVERWRITE: tl.constexpr,  # write scale*src without reading dst
         CHECK_FINITE: tl.constexpr,
         SEARCH_STEPS: tl.constexpr,  # ceil(log2(n_tensors)): binary-search iterations
+        SRC_VEC: tl.constexpr,  # source elements the hinted path may load at once (<= 16 bytes)
         BLOCK: tl.constexpr,
+        TAIL: tl.constexpr,  # elements per step of the masked path (divides BLOCK)
     ):
         pid = tl.program_id(0)
-        # Largest t with first_block[t] <= pid (invariant: first_block[lo] <= pid < first_block[hi]).
+        # Largest t with first_block[t] <= pid (first_block[lo] <= pid < first_block[hi]).
         lo = 0
         hi = n_tensors
         for _ in tl.static_range(SEARCH_STEPS):
@@ -56,62 +108,130 @@ if triton is not None:
             go_right = tl.load(table_ptr + 3 * n_tensors + mid) <= pid
             lo = tl.where(go_right, mid, lo)
             hi = tl.where(go_right, hi, mid)
-        dst = tl.load(table_ptr + lo).to(tl.pointer_type(tl.float32))
-        src = tl.load(table_ptr + n_tensors + lo).to(tl.pointer_type(SRC_DTYPE))
+        dst_off = tl.load(table_ptr + lo)
+        src_off = tl.load(table_ptr + n_tensors + lo)
         numel = tl.load(table_ptr + 2 * n_tensors + lo)
         first_block = tl.load(table_ptr + 3 * n_tensors + lo)
+        aligned = tl.load(table_ptr + 4 * n_tensors + lo)
 
-        offsets = (pid - first_block).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        x = tl.load(src + offsets, mask=mask, other=0.0).to(tl.float32)
         if SCALE_FROM_PTR:
             s = tl.load(scale_ptr).to(tl.float32)
         else:
             s = tl.cast(scale, tl.float32)  # fp64 under Inductor: force fp32 math
-        if OVERWRITE:
-            y = x * s
-        else:
-            y = tl.load(dst + offsets, mask=mask) + x * s
-        tl.store(dst + offsets, y, mask=mask)
-        if CHECK_FINITE:
-            bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0)
-            if bad > 0:
-                tl.store(found_inf_ptr, 1.0)
+        start = (pid - first_block).to(tl.int64) * BLOCK
+        lanes = tl.arange(0, BLOCK)
+        if (aligned != 0) & (start + BLOCK <= numel):
+            # A full block of a 16-byte-aligned pair (the bases are aligned too, see _launch):
+            # the hints are true, and with no mask Triton issues 128-bit accesses.
+            d_first = tl.multiple_of(dst_off + start, 4)  # 4 fp32 = 16 bytes
+            x_first = tl.multiple_of(src_off + start, SRC_VEC)
+            _accumulate_block(dst_base + d_first + lanes, src_base + x_first + lanes, None, s,
+                              found_inf_ptr, False, OVERWRITE, CHECK_FINITE)
+        else:  # the last block of a tensor, or a view at an unaligned address
+            # In slices of TAIL elements: scalar accesses need a pointer per element, and a whole
+            # block of them would set the register count of the entire kernel.
+            for k in range(0, tl.minimum(numel - start, BLOCK), TAIL):
+                offsets = start + k + tl.arange(0, TAIL)
+                _accumulate_block(dst_base + dst_off + offsets, src_base + src_off + offsets,
+                                  offsets < numel, s, found_inf_ptr, True, OVERWRITE, CHECK_FINITE)
+
+
+def _capturing_graph():
+    """The torch.cuda.CUDAGraph being captured on the current stream, or None when torch did not
+    start the capture (or this torch cannot say)."""
+    getter = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
+    if getter is None:
+        return None
+    try:
+        graph = getter()
+    except RuntimeError:
+        return None
+    return graph if hasattr(graph, "__dict__") else None
+
+
+def _captured_table(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Upload ``host`` (pinned) during a capture, keeping what replays read alive (see above)."""
+    graph = _capturing_graph()
+    if graph is not None:
+        table = host.to(device, non_blocking=True)
+        graph.__dict__.setdefault(_GRAPH_ATTR, []).append((host, table))
+        return table
+    key = (device.index, host.shape[1], tuple(host.view(-1).tolist()))
+    kept = _UNOWNED.get(key)
+    if kept is None:
+        used = sum(h.nbytes for h, _ in _UNOWNED.values())
+        if used + host.nbytes > _UNOWNED_LIMIT:
+            raise RuntimeError(
+                "accumulate_(backend='triton'): more than "
+                f"{_UNOWNED_LIMIT >> 20} MiB of pointer tables captured by CUDA graphs that "
+                "torch.cuda.CUDAGraph does not own (they cannot be freed). Capture with "
+                "torch.cuda.graph / CUDAGraph, or use backend='cuda'.")
+        kept = _UNOWNED[key] = (host, torch.empty(host.shape, dtype=host.dtype, device=device))
+    kept[1].copy_(kept[0], non_blocking=True)  # re-written by every replay of this graph
+    return kept[1]
+
+
+def _table(pairs: list[tuple[torch.Tensor, torch.Tensor]], block: int
+           ) -> tuple[list[list[int]], int, int, int]:
+    """The launch table's rows (see the kernel), the indices of the dst and src used as bases,
+    and the number of blocks. Bases: an aligned dst and an aligned src when there are (every
+    tensor of a fresh allocation is), so that for an aligned pair "offset is a multiple of 16
+    bytes" and "address is aligned" say the same; the hints rely on it."""
+    dst_ptrs = [d.data_ptr() for d, _ in pairs]
+    src_ptrs = [x.data_ptr() for _, x in pairs]
+    itemsize = pairs[0][1].element_size()
+    b_dst = next((i for i, p in enumerate(dst_ptrs) if p % ALIGN == 0), 0)
+    b_src = next((i for i, p in enumerate(src_ptrs) if p % ALIGN == 0), 0)
+    base_d, base_s = dst_ptrs[b_dst], src_ptrs[b_src]
+    bases_aligned = base_d % ALIGN == 0 and base_s % ALIGN == 0
+    rows: list[list[int]] = [[], [], [], [], []]
+    total = 0
+    for i, (pd, ps) in enumerate(zip(dst_ptrs, src_ptrs)):
+        if (pd - base_d) % 4 or (ps - base_s) % itemsize:
+            raise ValueError(f"accumulate_: tensor {i}'s data is not aligned to its element size")
+        numel = pairs[i][0].numel()
+        rows[0].append((pd - base_d) // 4)
+        rows[1].append((ps - base_s) // itemsize)
+        rows[2].append(numel)
+        rows[3].append(total)
+        rows[4].append(int(bases_aligned and pd % ALIGN == 0 and ps % ALIGN == 0))
+        total += -(-numel // block)
+    return rows, b_dst, b_src, total
 
 
 def _launch(dst, src, scale, scale_tensor, overwrite, found_inf) -> None:
-    device = dst[0].device
-    numels = [d.numel() for d in dst]
-    first_blocks, total = [], 0
-    for n in numels:
-        first_blocks.append(total)
-        total += triton.cdiv(n, BLOCK)
-    table = torch.tensor(
-        [[d.data_ptr() for d in dst], [x.data_ptr() for x in src], numels, first_blocks],
-        dtype=torch.int64,
-    )
-    if device.type != "cpu":
-        host = table.pin_memory()
-        table = host.to(device, non_blocking=True)
-        if torch.cuda.is_current_stream_capturing():
-            # The captured copy re-reads `host` on every replay, and the kernel reads `table`:
-            # both must outlive the graph (a small, bounded leak per captured call).
-            _CAPTURED_TABLES.append((host, table))
-    n = len(dst)
-    _accumulate_kernel[(total,)](
-        table,
-        n,
-        scale_tensor if scale_tensor is not None else table,
-        float(scale),
-        found_inf if found_inf is not None else table,
-        SRC_DTYPE=_TL_DTYPES[src[0].dtype],
-        SCALE_FROM_PTR=scale_tensor is not None,
-        OVERWRITE=bool(overwrite),
-        CHECK_FINITE=found_inf is not None,
-        SEARCH_STEPS=max(1, (n - 1).bit_length()),
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-    )
+    pairs = [(d, x) for d, x in zip(dst, src) if d.numel()]
+    if not pairs:
+        return
+    device = pairs[0][0].device
+    block = BLOCK
+    rows, b_dst, b_src, total = _table(pairs, block)
+    n = len(pairs)
+    table = torch.tensor(rows, dtype=torch.int64)
+    with on_device(device):
+        if device.type != "cpu":
+            host = table.pin_memory()
+            if torch.cuda.is_current_stream_capturing():
+                table = _captured_table(host, device)
+            else:  # the caching allocators keep both alive until the stream has used them
+                table = host.to(device, non_blocking=True)
+        _accumulate_kernel[(total,)](
+            table,
+            n,
+            pairs[b_dst][0],
+            pairs[b_src][1],
+            scale_tensor if scale_tensor is not None else table,
+            float(scale),
+            found_inf if found_inf is not None else table,
+            SCALE_FROM_PTR=scale_tensor is not None,
+            OVERWRITE=bool(overwrite),
+            CHECK_FINITE=found_inf is not None,
+            SEARCH_STEPS=max(1, (n - 1).bit_length()),
+            SRC_VEC=HALF_SRC_VEC if pairs[0][1].element_size() == 2 else 4,
+            BLOCK=block,
+            TAIL=min(TAIL, block),
+            num_warps=NUM_WARPS,
+        )
 
 
 def accumulate(

@@ -7,6 +7,8 @@ Triton is optional: it is imported, and the kernel defined, on first use.
 
 from __future__ import annotations
 
+from accumkernels._util import on_device
+
 __all__ = ["gemm_triton"]
 
 _kernel = None
@@ -95,13 +97,15 @@ def gemm_triton(view, dy2, x2, scale, overwrite, found_inf) -> bool:
         bm, bn, bk, warps, stages = 32, 32, 32, 4, 1
     check = found_inf is not None and found_inf.device == view.device
     grid = (_cdiv(M, bm) * _cdiv(N, bn),)
-    kernel[grid](
-        dy2, x2, view, found_inf if check else view,
-        M, N, K,
-        dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1), view.stride(0), view.stride(1),
-        float(scale),
-        OVERWRITE=bool(overwrite), CHECK_FINITE=check, UPCAST=view.device.type != "cuda",
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
-    )
+    with on_device(view.device):  # Triton launches on the current device: make it view's
+        kernel[grid](
+            dy2, x2, view, found_inf if check else view,
+            M, N, K,
+            dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1), view.stride(0),
+            view.stride(1),
+            float(scale),
+            OVERWRITE=bool(overwrite), CHECK_FINITE=check, UPCAST=view.device.type != "cuda",
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+        )
     return check
 
