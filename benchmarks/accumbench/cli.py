@@ -93,7 +93,8 @@ def measure_provider(name: str, fn: Provider, w: Workload, dtype: str, dsts: lis
         row.update(status="ok" if ok else "MISMATCH", max_rel_err=rel)
         (med, p20, p80), timer = time_calls(lambda i: fn(dsts[i], srcs[i]), len(dsts), device,
                                             args.reps, warmup=False,
-                                            max_seconds=args.row_seconds)
+                                            max_seconds=args.row_seconds,
+                                            graph=args.timer == "graph")
     except Exception as exc:  # noqa: BLE001 - recorded in the row, the run goes on
         # torch refusing a baseline (e.g. mixed dtypes) is a finding, not a crash
         row["status"] = "unsupported" if name in BASELINES and row["status"] is None else "error"
@@ -173,7 +174,8 @@ def run_benchmarks(args: argparse.Namespace, device: torch.device, names: list[s
     overhead_names = names if args.overhead else []
     total = 1 + len(workloads) * len(args.dtypes) * len(names) + len(overhead_names)
     step = itertools.count(1)
-    copy = measure_copy(args.copy_numel, device, args.reps, args.max_sets)
+    copy = measure_copy(args.copy_numel, device, args.reps, args.max_sets,
+                        graph=args.timer == "graph")
     _free(device)
     _log(f"[{next(step)}/{total}] copy_ fp32 {format_count(args.copy_numel)}: "
          f"{copy['median_ms']:.3f} ms {copy['gbps']:.1f} GB/s")
@@ -268,6 +270,11 @@ def _build_parser() -> argparse.ArgumentParser:
                         "(= all backends)")
     p.add_argument("--reps", type=int,
                    help="timed calls per measurement (default: 100 GPU, 5 CPU, 3 with --quick)")
+    p.add_argument("--timer", choices=("eager", "graph"), default="eager",
+                   help="GPU: time each call as issued (eager, default: host time shows where it "
+                        "exceeds the device time, as users see it) or the replay of a CUDA graph "
+                        "of it (graph: device time only; a call that cannot be captured is timed "
+                        "eagerly and its row's timer says so)")
     p.add_argument("--row-seconds", type=float, metavar="S",
                    help="CPU: stop timing a row after S seconds (>= 3 calls; default 2, 0 = "
                         "never)")
@@ -384,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "llama_dim_divisor": args.llama_dim_divisor, "reps": args.reps,
             "row_seconds": args.row_seconds if device.type == "cpu" else None,
             "threads": args.threads, "overwrite": args.overwrite, "quick": args.quick,
-            "scale": SCALE, "seed": args.seed,
+            "scale": SCALE, "seed": args.seed, "timer": args.timer,
             "rel_tol": REL_TOL, "providers_filter": args.providers,
         },
         "providers": {n: provider_code(n, args.overwrite) for n in names},

@@ -39,17 +39,21 @@ def device_slug(device: torch.device) -> str:
 
 
 def git_info(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
-    """(HEAD commit, tracked files modified) of the checkout holding this package, else Nones."""
+    """(HEAD commit, tracked files modified) of the checkout holding this package, else Nones.
+
+    A copy of the tree without git (a device machine) names its commit in
+    ACCUMKERNELS_GIT_COMMIT; its dirty state is then unknown (None)."""
+    told = os.environ.get("ACCUMKERNELS_GIT_COMMIT", "").strip() or None
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                               check=True, timeout=30).stdout.strip()
     try:
         if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
-            return None, None  # installed inside some other repository
+            return told, None  # installed inside some other repository
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
         return git("rev-parse", "HEAD"), dirty
     except (OSError, subprocess.SubprocessError):
-        return None, None
+        return told, None
 
 
 def _triton_version() -> str | None:
@@ -79,8 +83,18 @@ def environment(device: torch.device) -> dict:
         "python": platform.python_version(), "platform": platform.platform(),
         "accumkernels": getattr(accumkernels, "__version__", None),
         "available_backends": list(accumkernels.available_backends(device)),
+        "native_build": _native_build(),
         "git_commit": commit, "git_dirty": dirty,
     }
+
+
+def _native_build() -> dict | None:
+    """What accumkernels._C was built with (CUDA archs, vector store, ...), None if not built."""
+    try:
+        from accumkernels import _C
+    except ImportError:
+        return None
+    return dict(_C.build_info())
 
 
 def default_out_path(slug: str, date: datetime.date, overwrite: bool, quick: bool) -> Path:

@@ -103,21 +103,55 @@ def _cuda_ms(fn: Callable[[], object], n: int) -> float:
 MIN_CPU_REPS = 3
 
 
+def capture_graphs(call: Callable[[int], object], n_sets: int, device: torch.device
+                   ) -> list[torch.cuda.CUDAGraph]:
+    """One CUDA graph per buffer set replaying call(i), all sharing one memory pool. The call
+    runs once more first, on a side stream (what torch asks before a capture)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        call(0)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graphs: list[torch.cuda.CUDAGraph] = []
+    for i in range(n_sets):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
+            call(i)
+        graphs.append(graph)
+    torch.cuda.synchronize(device)
+    return graphs
+
+
 def time_calls(call: Callable[[int], object], n_sets: int, device: torch.device, reps: int,
-               *, warmup: bool = True, max_seconds: float | None = None
+               *, warmup: bool = True, max_seconds: float | None = None, graph: bool = False
                ) -> tuple[list[float], str]:
     """([median, p20, p80] ms of call(i), timer name), rotating i over the buffer sets.
 
     GPU: triton.testing.do_bench (CUDA events, L2 flushed before every call). It is
     time-based, so ``reps`` becomes its time budget via a per-call estimate. Without Triton: a
-    CUDA-event loop doing the same. CPU: time.perf_counter per call; ``max_seconds`` caps the
-    timed calls (at least 3) so that slow loops do not dominate a run. ``warmup=False`` when the
-    caller has just run the call (e.g. its correctness check).
+    CUDA-event loop doing the same. With ``graph``, each set's call is captured in a CUDA graph
+    and the replays are timed, so host time (Python, launches) stays out of the numbers; a call
+    that cannot be captured is timed as is, and the timer name says why. CPU: time.perf_counter
+    per call; ``max_seconds`` caps the timed calls (at least 3) so that slow loops do not
+    dominate a run. ``warmup=False`` when the caller has just run the call (e.g. its
+    correctness check).
     """
     counter = itertools.count(0 if warmup else 1)  # the caller's call used set 0
+    graphs: list[torch.cuda.CUDAGraph] = []
+    no_graph = ""
+    if graph and device.type == "cuda":
+        try:
+            graphs = capture_graphs(call, n_sets, device)
+        except Exception as exc:  # noqa: BLE001 - timed eagerly instead, and said so
+            torch.cuda.synchronize(device)
+            no_graph = f" (eager: capture failed: {type(exc).__name__}: {str(exc)[:120]})"
 
     def fn() -> None:
-        call(next(counter) % n_sets)
+        i = next(counter) % n_sets
+        if graphs:
+            graphs[i].replay()
+        else:
+            call(i)
 
     if device.type != "cuda":
         if warmup:
@@ -147,7 +181,8 @@ def time_calls(call: Callable[[int], object], n_sets: int, device: torch.device,
         except (AttributeError, TypeError):  # internals moved: the rep count gets less exact
             flush_ms = 0.0
         q = do_bench(fn, rep=reps * (est_ms + flush_ms), quantiles=[0.5, 0.2, 0.8])
-        return list(q), "triton.testing.do_bench"
+        name = "triton.testing.do_bench" + (" of CUDA-graph replays" if graphs else no_graph)
+        return list(q), name
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
     flush = torch.empty(2 * l2, dtype=torch.int8, device=device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -158,15 +193,17 @@ def time_calls(call: Callable[[int], object], n_sets: int, device: torch.device,
         fn()
         end.record()
     torch.cuda.synchronize(device)
-    return quantiles([s.elapsed_time(e) for s, e in events]), "cuda events"
+    name = "cuda events" + (" of CUDA-graph replays" if graphs else no_graph)
+    return quantiles([s.elapsed_time(e) for s, e in events]), name
 
 
-def measure_copy(numel: int, device: torch.device, reps: int, max_sets: int = 16) -> dict:
+def measure_copy(numel: int, device: torch.device, reps: int, max_sets: int = 16,
+                 graph: bool = False) -> dict:
     """Bandwidth of a large fp32 device-to-device ``copy_``: the ceiling we compare with."""
     n_sets = num_buffer_sets(8 * numel, device, max_sets)
     sets = [(torch.empty(numel, device=device), torch.empty(numel, device=device).normal_())
             for _ in range(n_sets)]
     (med, p20, p80), timer = time_calls(lambda i: sets[i][0].copy_(sets[i][1]), n_sets, device,
-                                        reps)
+                                        reps, graph=graph)
     return {"numel": numel, "bytes": 8 * numel, "median_ms": med, "p20_ms": p20, "p80_ms": p80,
             "gbps": 8 * numel / med / 1e6, "buffer_sets": n_sets, "timer": timer}
