@@ -36,7 +36,7 @@ import accumkernels
 
 def cases(backends: list[str], quick: bool, capture: bool):
     """(name, thunk) for every case to run."""
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cuda")  # the current device
     for backend in backends:
         for n in gpu_cases.TABLE_SIZES:
             yield f"{backend} table {n}", lambda b=backend, n=n: gpu_cases.table(b, dev, n, quick)

@@ -1,0 +1,258 @@
+#!/usr/bin/env bash
+# Issue 11's GPU work, one device-tool call per mode (see benchmarks/NOTES.md, "GPU sessions").
+#
+#   bash benchmarks/gpu_session.sh [MODE]        # from the repository root, on the device machine
+#
+# MODE
+#   all       (default) env, build, GPU tests, a bf16 benchmark, the four compute-sanitizer tools
+#   check     env, build, GPU tests, the four compute-sanitizer tools
+#   bench     env, build, the full benchmark (eager), the kernels timed by CUDA-graph replay,
+#             overwrite=True
+#   tune      env, build with each vector store (stwb, ptx) and time both; the Triton knob sweep;
+#             the SASS both kernels compile to on this machine
+#   train     env, build, benchmarks/bench_train.py (GPT-2 small) and find_micro_batch_size
+#   sanitize  env, build, the four compute-sanitizer tools with more time, memcheck twice
+#
+# Every stage runs under `timeout`, and the whole run stops starting stages once
+# AK_BUDGET seconds (default 540) are nearly spent, so a call with timeout_s=600 always ends
+# with its summary; a failing stage never stops the next one. Output: everything in
+# $OUT/session.log, JSON records in $OUT (also copied to benchmarks/results/ of the device's
+# tree, which does not come back: copy them from the call's files), a summary table last.
+# Environment: OUT (the device tool sets it), ACCUMKERNELS_GIT_COMMIT (the commit, recorded in
+# every JSON; the device's tree has no git), PY (default python3), AK_BUDGET.
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+MODE=${1:-all}
+OUT=${OUT:-/tmp/ak-out}
+PY=${PY:-python3}
+BUDGET=${AK_BUDGET:-540}
+STAGES=/tmp/ak-stages
+mkdir -p "$OUT" "$STAGES" benchmarks/results
+export PYTHONUNBUFFERED=1 ACCUMKERNELS_GIT_COMMIT=${ACCUMKERNELS_GIT_COMMIT:-}
+SUMMARY=()
+DATE=$(date -u +%F)
+SLUG=unknown-gpu
+TEST_FILES=(tests/test_accumulate.py tests/test_cuda_graphs.py tests/test_wgrad.py
+            tests/test_triton_backend.py tests/test_native_build.py)
+
+# stage NAME CAP_SECONDS CMD...: run CMD with a time limit, its output also in $STAGES/NAME.log
+stage() {
+  local name=$1 cap=$2
+  shift 2
+  local left=$((BUDGET - SECONDS - 25))
+  if ((left < 30)); then
+    SUMMARY+=("$name|-|0|skipped: out of time")
+    return 0
+  fi
+  local limit=$((cap < left ? cap : left))
+  echo
+  echo "=== $name (limit ${limit}s, at ${SECONDS}s) $(date -u +%H:%M:%S)"
+  local t0=$SECONDS
+  if declare -F "$1" >/dev/null; then  # a function of this script (exported below)
+    timeout --kill-after=15 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee "$STAGES/$name.log"
+  else
+    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$STAGES/$name.log"
+  fi
+  local rc=${PIPESTATUS[0]}
+  local note
+  note=$(stage_note "$name" "$rc" "$limit")
+  SUMMARY+=("$name|$rc|$((SECONDS - t0))|$note")
+  return 0
+}
+
+# One line saying how a stage went, read from its log.
+stage_note() {
+  local name=$1 rc=$2 limit=$3 log="$STAGES/$1.log"
+  if ((rc == 124 || rc == 137)); then echo "TIMED OUT after ${limit}s"; return; fi
+  case $name in
+    pytest*) grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)|no tests ran" "$log" \
+               | tail -1 | sed 's/=//g; s/^ *//' ;;
+    sanitize*) { grep -o "ERROR SUMMARY: [0-9]* errors\?" "$log" | tail -1;
+                 grep -o "RACECHECK SUMMARY: .*" "$log" | tail -1;
+                 grep -E "^sanitize_cases: " "$log" | tail -1; } | tr '\n' ' ' ;;
+    build*) grep -o "'cuda_vec_store': '[a-z]*'\|cuda_prepare(0): .*" "$log" | tr '\n' ' ' ;;
+    *) grep -E "^wrote |copy_ [0-9.]+ GB/s; wrote" "$log" | tail -1 | cut -c1-100 ;;
+  esac
+}
+
+stage_env() {
+  nvidia-smi || echo "nvidia-smi failed"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit \
+    --format=csv || true
+  "$PY" - <<'EOF'
+import sys
+import torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| torch cuda", torch.version.cuda)
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as exc:
+    print("triton: not importable:", exc)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"{p.name}: {p.multi_processor_count} SMs, L2 {getattr(p, 'L2_cache_size', 0) >> 20} MiB, "
+          f"{p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}")
+EOF
+  nvcc --version | tail -2 || echo "no nvcc"
+  sanitizer_path || echo "no compute-sanitizer"
+  echo "commit: ${ACCUMKERNELS_GIT_COMMIT:-unknown (set ACCUMKERNELS_GIT_COMMIT)}"
+}
+
+# build [stwb|ptx]: the extension in place, then what it reports
+stage_build() {
+  ACCUMKERNELS_CUDA=1 ACCUMKERNELS_CUDA_STORE=${1:-stwb} MAX_JOBS=16 \
+    "$PY" -m pip install --no-build-isolation --no-deps -e . || return 1
+  "$PY" - <<'EOF'
+import accumkernels
+from accumkernels import _C
+print("build_info:", _C.build_info())
+print("cuda_prepare(0):", repr(_C.cuda_prepare(0)))
+print("available_backends:", accumkernels.available_backends("cuda"))
+EOF
+}
+
+sanitizer_path() {
+  command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null \
+    || ls /usr/local/cuda-*/bin/compute-sanitizer 2>/dev/null | tail -1
+}
+
+# sanitize_tool TOOL CAP [ENV=VALUE...]: one compute-sanitizer tool over sanitize_cases.py, on
+# the accumulate kernels only; again without the kernel filter if this version refuses it.
+sanitize_tool() {
+  local tool=$1 cap=$2 name="sanitize-$1${3:+-nocache}"
+  shift 2
+  local cs
+  cs=$(sanitizer_path)
+  if [[ -z $cs ]]; then
+    SUMMARY+=("$name|-|0|skipped: no compute-sanitizer")
+    return 0
+  fi
+  stage "$name" "$cap" env "$@" "$cs" --tool "$tool" --kernel-name kns=accumulate \
+    --print-limit 20 --error-exitcode 9 "$PY" benchmarks/sanitize_cases.py
+  if ! grep -q "ERROR SUMMARY" "$STAGES/$name.log" && ! grep -q "TIMED OUT" <<<"${SUMMARY[-1]}"; then
+    stage "$name-unfiltered" "$cap" env "$@" "$cs" --tool "$tool" --print-limit 20 \
+      --error-exitcode 9 "$PY" benchmarks/sanitize_cases.py
+  fi
+}
+
+run_tests() {
+  local timeout_flag=()
+  "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 240)
+  # gpu-marked tests everywhere (tests/test_gpu_kernels.py, test_wgrad's), then the rest of the
+  # kernel files (their CUDA parametrisations run here).
+  stage pytest-gpu 200 "$PY" -m pytest -q -ra -p no:cacheprovider "${timeout_flag[@]}" -m gpu tests
+  stage pytest-kernels 200 "$PY" -m pytest -q -ra -p no:cacheprovider "${timeout_flag[@]}" \
+    -m "not gpu" "${TEST_FILES[@]}"
+}
+
+run_sanitizers() {  # CAP for each tool
+  sanitize_tool memcheck "$1" PYTORCH_NO_CUDA_MEMORY_CACHING=1
+  sanitize_tool racecheck "$1"
+  sanitize_tool initcheck "$1"
+  sanitize_tool synccheck "$1"
+}
+
+bench_out() { echo "$OUT/$SLUG-$DATE$1.json"; }
+
+keep() {  # copy records into the device's benchmarks/results (the caller copies $OUT back)
+  for f in "$@"; do [[ -f $f ]] && cp "$f" benchmarks/results/; done
+  return 0
+}
+
+summary() {
+  echo
+  echo "=== summary: mode $MODE, $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), commit ${ACCUMKERNELS_GIT_COMMIT:-unknown}, ${SECONDS}s"
+  printf '%-28s %4s %6s  %s\n' stage rc secs note
+  local line
+  for line in "${SUMMARY[@]}"; do
+    IFS='|' read -r n rc s note <<<"$line"
+    printf '%-28s %4s %6s  %s\n' "$n" "$rc" "$s" "${note:0:110}"
+  done
+  local records=()
+  for f in "$OUT"/*.json; do [[ -f $f ]] && records+=("$f"); done
+  local main
+  main=$(ls "$OUT"/"$SLUG"-*.json 2>/dev/null | grep -v -- '-graph\|-overwrite' | head -1)
+  local train
+  train=$(ls "$OUT"/train-*.json 2>/dev/null | head -1)
+  if [[ -n $main || -n $train ]]; then
+    echo
+    "$PY" benchmarks/targets.py $main $train 2>&1 | tail -30
+  fi
+  if [[ -f $(bench_out -graph) ]]; then
+    echo "(graph-timed kernels:)"
+    "$PY" benchmarks/targets.py "$(bench_out -graph)" 2>&1 | grep -E "x copy" | head -8
+  fi
+  for f in "$OUT"/tune-*.json; do
+    [[ -f $f ]] || continue
+    "$PY" - "$f" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{sys.argv[1].rsplit('/', 1)[-1]}: copy_ {r['copy']['gbps']:.0f} GB/s")
+for x in r["rows"]:
+    v = f"{x['gbps']:7.0f} GB/s {x['frac_copy']:.3f}x" if x.get("gbps") else x["status"]
+    print(f"  {x['workload'][:20]:20} {x['dtype']:4} {x['backend']:6} {x['config'][:42]:42} {v}")
+EOF
+  done
+  echo "files in \$OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+}
+
+export PY
+export -f stage_env stage_build sanitizer_path
+
+main() {
+  echo "gpu_session.sh $MODE: budget ${BUDGET}s, out $OUT, $(date -u)"
+  stage env 60 stage_env
+  SLUG=$("$PY" -c "import torch; from benchmarks.accumbench.env import slugify; print(slugify(torch.cuda.get_device_name(0)))" 2>/dev/null || echo unknown-gpu)
+  case $MODE in
+    all | check)
+      stage build 240 stage_build stwb
+      run_tests
+      if [[ $MODE == all ]]; then
+        stage bench-bf16 200 "$PY" -m benchmarks.accumbench --dtypes bf16 --reps 30 --no-plot \
+          --out "$(bench_out -bf16)"
+        keep "$(bench_out -bf16)"
+      fi
+      run_sanitizers 75
+      ;;
+    bench)
+      stage build 240 stage_build stwb
+      stage bench-full 330 "$PY" -m benchmarks.accumbench --out "$(bench_out "")"
+      stage bench-graph 120 "$PY" -m benchmarks.accumbench --timer graph --no-plot --no-overhead \
+        --providers 'accumkernels:cuda,accumkernels:triton' --workloads flat,gpt2,llama7b \
+        --flat-numel 256M --dtypes bf16,fp32 --out "$(bench_out -graph)"
+      stage bench-overwrite 100 "$PY" -m benchmarks.accumbench --overwrite --dtypes bf16 \
+        --reps 30 --no-plot --no-overhead --out "$(bench_out -overwrite)"
+      keep "$(bench_out "")" "$(bench_out -graph)" "$(bench_out -overwrite)"
+      ;;
+    tune)
+      stage build-stwb 240 stage_build stwb
+      stage tune-stwb 200 "$PY" benchmarks/tune_kernels.py --label stwb --triton-grid sweep \
+        --out "$OUT/tune-$SLUG-$DATE-stwb.json"
+      stage build-ptx 180 stage_build ptx
+      stage tune-ptx 100 "$PY" benchmarks/tune_kernels.py --label ptx --backends cuda \
+        --out "$OUT/tune-$SLUG-$DATE-ptx.json"
+      stage sass 60 "$PY" benchmarks/sass_check.py
+      keep "$OUT"/tune-*.json
+      ;;
+    train)
+      stage build 240 stage_build stwb
+      stage bench-train 300 "$PY" benchmarks/bench_train.py --out "$OUT/train-$SLUG-$DATE.json"
+      stage find-batch 150 "$PY" benchmarks/find_batch.py \
+        --out "$OUT/find-batch-$SLUG-$DATE.json"
+      keep "$OUT/train-$SLUG-$DATE.json" "$OUT/find-batch-$SLUG-$DATE.json"
+      ;;
+    sanitize)
+      stage build 240 stage_build stwb
+      run_sanitizers 110
+      sanitize_tool memcheck 110  # with the caching allocator: the captured cases too
+      ;;
+    *)
+      echo "unknown mode $MODE (all, check, bench, tune, train, sanitize)"
+      ;;
+  esac
+  summary
+}
+
+main 2>&1 | tee "$OUT/session.log"
+exit "${PIPESTATUS[0]}"

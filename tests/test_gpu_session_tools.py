@@ -1,0 +1,100 @@
+"""The scripts a GPU session runs (benchmarks/gpu_session.sh and what it calls) work on the CPU:
+so that a session's scarce device minutes are not spent on their bugs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, check=False)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_gpu_session_script_parses():
+    proc = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_tune_kernels_smoke(tmp_path):
+    out = tmp_path / "tune.json"
+    proc = run("benchmarks/tune_kernels.py", "--quick", "--workloads", "flat,gpt2",
+               "--dtypes", "bf16", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["rows"] and all(r["status"] == "ok" for r in record["rows"])
+    assert record["copy"]["gbps"] > 0
+
+
+def test_find_batch_smoke(tmp_path):
+    out = tmp_path / "find.json"
+    proc = run("benchmarks/find_batch.py", "--candidates", "1,2", "--global-batch", "2",
+               "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["micro_batch_size"] in (1, 2) and len(record["table"]) == 2
+
+
+def test_targets_reads_a_gpu_record(tmp_path):
+    """Every design target gets a line; met and missed are told apart."""
+    def row(provider, workload, label, frac, **speedups):
+        return {"provider": provider, "workload": workload, "label": label, "dtype": "bf16",
+                "numel": 1 << 28 if workload == "flat" else 1, "status": "ok", "frac_copy": frac,
+                "gbps": 3000 * frac, **{f"speedup_vs_{k}": v for k, v in speedups.items()}}
+    rows = [row("accumkernels:cuda", "flat", "flat-256M", 0.97, foreach=3.0,
+                native_grad_dtype=2.0),
+            row("accumkernels:cuda", "gpt2", "gpt2-124m", 0.85, loop_literal=8.0, loop_add=4.0,
+                foreach=0.9, native_grad_dtype=2.5)]
+    record = {"device_name": "NVIDIA H100", "rows": rows,
+              "overhead": {"rows": [{"provider": "accumkernels:cuda", "host_us": 12.0}]}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(record))
+    proc = run("benchmarks/targets.py", str(path))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+
+    def mark(prefix):
+        hit = [ln for ln in lines if ln.startswith(prefix)]
+        assert len(hit) == 1, (prefix, lines)
+        return hit[0].split()[-1]
+
+    assert mark("flat-256M bf16->fp32, cuda") == "met"
+    assert mark("gpt2-124m bf16, cuda") == "MISSED"
+    assert mark("gpt2 bf16 vs loop_literal, cuda") == "met"
+    assert mark("gpt2 bf16 vs loop_add, cuda") == "MISSED"
+    assert mark("vs foreach, cuda") == "MISSED"
+    assert mark("vs native_grad_dtype, cuda") == "met"
+    assert mark("host overhead, 300 tensors, cuda") == "met"
+    assert mark("flat bf16->fp32, triton") == "n/a"
+
+
+def test_sanitize_cases_cover_the_issue():
+    """Both backends, every table size eager and captured, and every other case."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sanitize_cases
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import gpu_cases
+
+    names = [n for n, _ in sanitize_cases.cases(["cuda", "triton"], True, True)]
+    for backend in ("cuda", "triton"):
+        for n in (64, 65, 256, 257, 1000, 1001):
+            assert f"{backend} table {n}" in names and f"{backend} table {n} captured" in names
+        for case in ("unaligned_views", "found_inf_vector", "scale_tensor", "overwrite",
+                     "side_stream"):
+            assert f"{backend} {case}" in names
+    assert set(gpu_cases.CASES) == {"unaligned_views", "found_inf_vector", "scale_tensor",
+                                    "overwrite", "side_stream"}
+    no_capture = [n for n, _ in sanitize_cases.cases(["cuda"], True, False)]
+    assert not any("captured" in n for n in no_capture)
