@@ -57,9 +57,9 @@ void accumulate_cuda(const AccumulateArgs& args, void* stream, int device);
 std::string cuda_runtime_version();  // CUDART_VERSION the kernels were compiled against
 std::string cuda_vec_store();  // the vector path's store: "stwb" or "ptx" (ACCUMKERNELS_VEC_STORE)
 // Whether the kernels can run on `device`: checks the driver against the runtime they were built
-// with (static cudart: CUDA 13 needs driver R580+) and the device, then loads every kernel
-// instantiation, so that none is first loaded inside a CUDA-graph capture. "" when usable, else
-// why not. Never throws.
-std::string cuda_prepare(int device);
+// with (static cudart: CUDA 13 needs driver R580+) and the device, then (with load_kernels)
+// loads every kernel instantiation, so that none is first loaded inside a CUDA-graph capture.
+// "" when usable, else why not. Never throws.
+std::string cuda_prepare(int device, bool load_kernels);
 
 }  // namespace accumkernels

@@ -320,7 +320,7 @@ std::string cuda_runtime_version() { return version_text(CUDART_VERSION); }
 
 std::string cuda_vec_store() { return ACCUMKERNELS_VEC_STORE == 1 ? "ptx" : "stwb"; }
 
-std::string cuda_prepare(int device) {
+std::string cuda_prepare(int device, bool load_kernels) {
   int driver = 0;
   if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0) {
     (void)cudaGetLastError();
@@ -340,6 +340,7 @@ std::string cuda_prepare(int device) {
   }
   if (device < 0 || device >= count)
     return "no CUDA device " + std::to_string(device) + " (" + std::to_string(count) + " visible)";
+  if (!load_kernels) return "";
   try {
     DeviceGuard guard(device);
     // Every instantiation, so that no kernel is first loaded inside a CUDA-graph capture.

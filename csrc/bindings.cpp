@@ -160,18 +160,18 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "cuda_prepare",
-      [](int device) -> std::string {
+      [](int device, bool load_kernels) -> std::string {
 #if defined(ACCUMKERNELS_WITH_CUDA)
         py::gil_scoped_release no_gil;
-        return ak::cuda_prepare(device);
+        return ak::cuda_prepare(device, load_kernels);
 #else
-        (void)device;
+        (void)device, (void)load_kernels;
         return "accumkernels._C was built without CUDA";
 #endif
       },
-      py::arg("device"),
-      "Check that the CUDA kernels can run on `device` (driver new enough, device present) and "
-      "load every kernel instantiation; '' when usable, else why not.");
+      py::arg("device"), py::arg("load_kernels") = true,
+      "Check that the CUDA kernels can run on `device` (driver new enough, device present) and, "
+      "with load_kernels, load every kernel instantiation; '' when usable, else why not.");
 
   m.def(
       "init_torch_api",

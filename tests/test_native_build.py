@@ -163,6 +163,7 @@ def test_cuda_prepare_answers_without_raising() -> None:
         return
     if torch.cuda.is_available():
         assert C.cuda_prepare(torch.cuda.current_device()) == ""
+        assert C.cuda_prepare(torch.cuda.current_device(), False) == ""
         assert "no CUDA device" in C.cuda_prepare(torch.cuda.device_count())
     else:
         assert C.cuda_prepare(0)
@@ -184,7 +185,8 @@ def test_unusable_cuda_kernels_fall_back_with_one_warning(monkeypatch) -> None:
         pytest.skip("built without CUDA")
     why = "the CUDA driver supports CUDA 12.4, older than the CUDA 13.0 runtime"
     calls = []
-    monkeypatch.setattr(native._C, "cuda_prepare", lambda i: calls.append(i) or why)
+    monkeypatch.setattr(native._C, "cuda_prepare", lambda i, load: calls.append(i) or why)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(native, "_CUDA_PROBLEMS", {})
     monkeypatch.setattr(backends, "_RESOLVED", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

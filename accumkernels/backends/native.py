@@ -46,13 +46,14 @@ def cuda_problem(device: torch.device) -> str | None:
     Asked once per device, the first time a backend is resolved for it: the extension links a
     static CUDA 13 runtime, which needs driver R580+, and torch may run on an older driver that
     its own runtime accepts. The probe also loads every kernel instantiation, so that none is
-    first loaded inside a CUDA-graph capture. An unusable device is reported with one warning;
-    ``auto`` then picks the next backend.
+    first loaded inside a CUDA-graph capture (asked first inside one, it checks the driver only:
+    loading there could break the capture; torch asks for a warm-up before capturing anyway). An
+    unusable device is reported with one warning; ``auto`` then picks the next backend.
     """
     index = torch.cuda.current_device() if device.index is None else device.index
     if index in _CUDA_PROBLEMS:
         return _CUDA_PROBLEMS[index]
-    why = _C.cuda_prepare(index) or None
+    why = _C.cuda_prepare(index, not torch.cuda.is_current_stream_capturing()) or None
     _CUDA_PROBLEMS[index] = why
     if why is not None:
         warnings.warn(f"accumkernels: the compiled CUDA kernels cannot run on cuda:{index}: {why}; "
