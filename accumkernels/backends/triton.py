@@ -130,10 +130,12 @@ if triton is not None:
         else:  # the last block of a tensor, or a view at an unaligned address
             # In slices of TAIL elements: scalar accesses need a pointer per element, and a whole
             # block of them would set the register count of the entire kernel.
-            for k in range(0, tl.minimum(numel - start, BLOCK), TAIL):
-                offsets = start + k + tl.arange(0, TAIL)
-                _accumulate_block(dst_base + dst_off + offsets, src_base + src_off + offsets,
-                                  offsets < numel, s, found_inf_ptr, True, OVERWRITE, CHECK_FINITE)
+            for k in range(0, BLOCK, TAIL):
+                if start + k < numel:  # a short tensor's block skips its empty slices
+                    offsets = start + k + tl.arange(0, TAIL)
+                    _accumulate_block(dst_base + dst_off + offsets, src_base + src_off + offsets,
+                                      offsets < numel, s, found_inf_ptr, True, OVERWRITE,
+                                      CHECK_FINITE)
 
 
 def _capturing_graph():
