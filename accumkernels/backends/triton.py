@@ -28,8 +28,8 @@ BLOCK = 4096
 NUM_WARPS = 4
 TAIL = 512  # elements per step of the masked path (see the kernel)
 # bf16/fp16 source elements per hinted access: 8 = 16-byte loads, whose layout Triton converts
-# to the fp32 dst's through shared memory (50 registers on sm_90); 4 = 8-byte loads in the dst's
-# own layout (no shared memory, 32-34 registers). A tuning knob: see benchmarks/NOTES.md.
+# to the fp32 dst's through shared memory (50-56 registers on sm_90); 4 = 8-byte loads in the dst's
+# own layout (no shared memory, 32-35 registers). A tuning knob: see benchmarks/NOTES.md.
 HALF_SRC_VEC = 8
 ALIGN = 16  # bytes: one 128-bit access
 
