@@ -14,7 +14,8 @@ from accumkernels._util import LOW_PRECISION
 
 
 class MasterWeights:
-    """The fp32 copies (by ``id`` of the model param), the inner optimizer's state remap, copy-back."""
+    """The fp32 copies (by ``id`` of the model param), the inner optimizer's state remap and
+    the copy-back."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, enabled: bool):
         self.optimizer = optimizer
@@ -58,7 +59,7 @@ class MasterWeights:
         for p in self.model_params:
             m = self.masters[id(p)]
             changed = p.ne(m.to(p.dtype))
-            m.copy_(torch.where(changed, p.float(), m))
+            torch.where(changed, p.float(), m, out=m)
 
     @torch.no_grad()
     def copy_back(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from accumkernels.optim.config import Config
@@ -51,7 +53,8 @@ class NonFinite:
             return False
         if norm is not None and bool(torch.isfinite(norm)):
             return True
-        return all(bool(torch.isfinite(f.abs().max())) for f in flats if f.numel())
+        return all(bool(torch.isfinite(torch.linalg.vector_norm(f, math.inf)))
+                   for f in flats if f.numel())
 
     def state_dict(self) -> dict:
         return {"found_inf": self.found_inf.detach().clone(),

@@ -304,7 +304,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
                 if p.grad is view:
                     view.zero_()
                     w.touched.add(id(p))
-        for p in self._unmanaged():
+        for p in self._frozen:  # outside the window: cleared the native way
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
@@ -335,7 +335,8 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
 
 def _check_inner(optimizer: object) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, AccumulatingOptimizer):
         raise TypeError("optimizer is already an AccumulatingOptimizer")
     previous = getattr(optimizer, _OWNER_ATTR, None)

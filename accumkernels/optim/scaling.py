@@ -68,7 +68,8 @@ class LossScaler:
             raise ValueError("load_state_dict: the loss-scale state is for a different mode "
                              "(static vs dynamic)")
         if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"load_state_dict: saved loss scale {scale} is not finite and positive")
+            raise ValueError(
+                f"load_state_dict: saved loss scale {scale} is not finite and positive")
         return {"scale": scale, "growth_tracker": tracker}
 
     def load(self, parsed: dict) -> None:

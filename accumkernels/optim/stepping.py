@@ -6,6 +6,8 @@ import torch
 
 from accumkernels._util import LOW_PRECISION
 
+_NO_WEIGHTS = "reduction='weighted' needs add_weight() for the window's micro-batches"
+
 
 class StepMixin:
     """The step half of AccumulatingOptimizer (kept apart so each file stays readable)."""
@@ -39,7 +41,7 @@ class StepMixin:
             return
         if self.config.reduction == "weighted" and not self._dp.active and w.kept \
                 and w.local_weight() <= 0 and (force or self.sync_step or w.boundary_only):
-            raise ValueError("reduction='weighted' needs add_weight() for the window's micro-batches")
+            raise ValueError(_NO_WEIGHTS)
         if not (force or self.config.accumulation_steps is None or w.complete):
             if w.boundary_only is not True:
                 w.boundary_only = False  # this caller steps before windows are complete
@@ -63,7 +65,7 @@ class StepMixin:
             return self._skip()
         target = self._target_divisor(totals)
         if target is None:
-            raise ValueError("reduction='weighted' needs add_weight() for the window's micro-batches")
+            raise ValueError(_NO_WEIGHTS)
         self._normalise(target)
         flats = list(self._buffer.buffers.values())
         norm = self._clip_norm(flats) if self.config.max_grad_norm is not None else None
