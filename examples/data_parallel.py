@@ -3,14 +3,15 @@ all-reduces the fp32 window once per optimizer step (overlapped with the last ba
 
     python examples/data_parallel.py --world-size 2 --steps 3
 
-Spawns the ranks itself (gloo on 127.0.0.1, CPU). Under torchrun, call train() per process.
+Spawns the ranks itself (gloo, CPU; the ranks meet through a file store in a temporary
+directory, so no port is picked). Under torchrun, call train() per process.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,17 @@ import accumkernels
 MICRO_BATCHES_PER_RANK = 2
 
 
-def train(rank: int, world_size: int, port: int, steps: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def train(rank: int, world_size: int, store: str, steps: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world_size)
+    try:
+        _train(rank, world_size, steps)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, world_size: int, steps: int) -> None:
     torch.manual_seed(rank)  # different inits: the wrapper broadcasts rank 0's parameters
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     opt = accumkernels.AccumulatingOptimizer(
@@ -46,7 +55,6 @@ def train(rank: int, world_size: int, port: int, steps: int) -> None:
     assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks diverged"
     if rank == 0:
         print(f"final loss {loss.item():.4f} (params identical on {world_size} ranks)")
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -55,11 +63,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(train, args=(args.world_size, port, args.steps), nprocs=args.world_size,
-                       start_method="spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(train, args=(args.world_size, f"{tmp}/store", args.steps),
+                           nprocs=args.world_size, start_method="spawn")
 
 
 if __name__ == "__main__":
