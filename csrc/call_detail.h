@@ -105,12 +105,18 @@ py::object refusal(const char* r, const char* name, int64_t i);
 py::list copy_list(py::handle seq);  // a new list (the caller may change its own)
 void bump_versions(py::handle tensors);  // torch._C._increment_version(tensors)
 
-// An optional 1-element float32 tensor on `dev`: nullptr (ok; `present` set), `name` or "slow".
-const char* read_scalar(py::handle t, const char* name, const Device& dev, TensorMeta& m,
-                        bool& present);
+// A call's optional scale and found_inf tensors (1-element float32 on the call's device).
+struct CallScalars {
+  TensorMeta scale{}, found{};
+  bool has_scale = false, has_found = false;
+  const TensorMeta* scale_or_null() const { return has_scale ? &scale : nullptr; }
+  const TensorMeta* found_or_null() const { return has_found ? &found : nullptr; }
+};
+// Reads o.scale_tensor and o.found_inf: nullptr (ok), "scale"/"found_inf" (wrong dtype, size or
+// device: the Python spec says which) or "slow".
+const char* read_scalars(const CallOptions& o, const Device& dev, CallScalars& s);
 void check_kernel_device(const CallOptions& o, const Device& dev);
-void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o,
-                const TensorMeta* scale, const TensorMeta* found_inf);
+void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o, const CallScalars& s);
 bool reader_ready();  // the tensor reader is on and set_increment_version was called
 
 }  // namespace detail

@@ -142,14 +142,9 @@ py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) 
       pairs.push_back({reinterpret_cast<float*>(slot.data), reinterpret_cast<const void*>(x.data),
                        slot.numel, x.dtype});
   }
-  TensorMeta scale{}, found{};
-  bool has_scale = false, has_found = false;
-  if (const char* f = read_scalar(o.scale_tensor, "scale", dev, scale, has_scale))
-    return failure(f);
-  if (const char* f = read_scalar(o.found_inf, "found_inf", dev, found, has_found))
-    return failure(f);
-  py::object overlap = check_overlaps(order, metas, has_scale ? &scale : nullptr,
-                                      has_found ? &found : nullptr);
+  CallScalars sc;
+  if (const char* f = read_scalars(o, dev, sc)) return failure(f);
+  py::object overlap = check_overlaps(order, metas, sc.scale_or_null(), sc.found_or_null());
   if (!overlap.is_none()) return overlap;
 
   // Inference-ness never changes (checked at creation); with an owner, the dst are its views
@@ -164,7 +159,7 @@ py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) 
           return refusal(r, "dst", static_cast<int64_t>(k));
     }
   }
-  if (has_found)
+  if (sc.has_found)
     if (const char* r = refuse_write(o.found_inf.ptr(), o.flags))
       return refusal(r, "found_inf", -1);
   if (!owner_.is_none()) {
@@ -178,8 +173,8 @@ py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) 
     }
     bump_versions(written);
   }
-  if (has_found) bump_versions(py::make_tuple(o.found_inf));
-  run_kernel(pairs, o, has_scale ? &scale : nullptr, has_found ? &found : nullptr);
+  if (sc.has_found) bump_versions(py::make_tuple(o.found_inf));
+  run_kernel(pairs, o, sc);
   return py::none();
 }
 

@@ -136,8 +136,8 @@ void bump_versions(py::handle tensors) {
 
 // ---- scale and found_inf ---------------------------------------------------------------------
 
-// Reads an optional 1-element float32 tensor; returns nullptr (ok, `present` set), `name` (wrong
-// dtype/size/device: the Python spec says which) or "slow".
+namespace {
+// One optional 1-element float32 tensor: nullptr (ok, `present` set), `name` or "slow".
 const char* read_scalar(py::handle t, const char* name, const Device& dev, TensorMeta& m,
                         bool& present) {
   present = !t.is_none();
@@ -146,10 +146,17 @@ const char* read_scalar(py::handle t, const char* name, const Device& dev, Tenso
   if (m.dtype != kFloat32 || m.numel != 1 || !dev.holds(m) || m.data == 0) return name;
   return nullptr;
 }
+}  // namespace
 
-void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o,
-                const TensorMeta* scale, const TensorMeta* found_inf) {
+const char* read_scalars(const CallOptions& o, const Device& dev, CallScalars& s) {
+  if (const char* f = read_scalar(o.scale_tensor, "scale", dev, s.scale, s.has_scale)) return f;
+  return read_scalar(o.found_inf, "found_inf", dev, s.found, s.has_found);
+}
+
+void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o, const CallScalars& s) {
   if (o.kernel == kNoKernel || pairs.empty()) return;
+  const TensorMeta* scale = s.scale_or_null();
+  const TensorMeta* found_inf = s.found_or_null();
   const AccumulateArgs args{pairs.data(),
                             pairs.size(),
                             static_cast<float>(o.scale),
@@ -232,16 +239,13 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
     sspans.push_back({x.data, x.end(), idx, false, x.dtype == kFloat32});
   }
 
-  TensorMeta scale{}, found{};
-  bool has_scale = false, has_found = false;
-  if (const char* f = read_scalar(o.scale_tensor, "scale", dev, scale, has_scale))
-    return failure(f);
-  if (const char* f = read_scalar(o.found_inf, "found_inf", dev, found, has_found))
-    return failure(f);
+  CallScalars sc;
+  if (const char* f = read_scalars(o, dev, sc)) return failure(f);
 
   py::object overlap = find_overlap(dspans, sspans, scratch->all);
   if (!overlap.is_none()) return overlap;
-  if (has_found && has_scale && overlaps(found.data, found.end(), scale.data, scale.end()))
+  if (sc.has_found && sc.has_scale &&
+      overlaps(sc.found.data, sc.found.end(), sc.scale.data, sc.scale.end()))
     return failure("found_inf_scale");
   for (size_t k = 0; k < pairs.size(); ++k) {
     const TensorPair& p = pairs[k];
@@ -249,21 +253,24 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
     const uintptr_t d0 = reinterpret_cast<uintptr_t>(p.dst), d1 = d0 + 4 * p.numel;
     const uintptr_t s0 = reinterpret_cast<uintptr_t>(p.src);
     const uintptr_t s1 = s0 + static_cast<uintptr_t>(p.numel * (p.dtype == kFloat32 ? 4 : 2));
-    if (has_found && overlaps(found.data, found.end(), d0, d1)) return failure("found_inf_dst", i);
-    if (has_found && overlaps(found.data, found.end(), s0, s1)) return failure("found_inf_src", i);
-    if (has_scale && overlaps(scale.data, scale.end(), d0, d1)) return failure("scale_dst", i);
+    if (sc.has_found) {
+      if (overlaps(sc.found.data, sc.found.end(), d0, d1)) return failure("found_inf_dst", i);
+      if (overlaps(sc.found.data, sc.found.end(), s0, s1)) return failure("found_inf_src", i);
+    }
+    if (sc.has_scale && overlaps(sc.scale.data, sc.scale.end(), d0, d1))
+      return failure("scale_dst", i);
   }
 
   if (o.flags & (kCheckAutograd | kCheckInference)) {
     for (Py_ssize_t i = 0; i < n; ++i)
       if (const char* r = refuse_write(dst[i], o.flags)) return refusal(r, "dst", i);
-    if (has_found)
+    if (sc.has_found)
       if (const char* r = refuse_write(o.found_inf.ptr(), o.flags))
         return refusal(r, "found_inf", -1);
   }
   bump_versions(dst.seq());
-  if (has_found) bump_versions(py::make_tuple(o.found_inf));
-  run_kernel(pairs, o, has_scale ? &scale : nullptr, has_found ? &found : nullptr);
+  if (sc.has_found) bump_versions(py::make_tuple(o.found_inf));
+  run_kernel(pairs, o, sc);
   return py::none();
 }
 
