@@ -312,7 +312,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         """
         self._settle()
         w = self._window
-        keep = w.micro_steps > 0 and self.config.accumulation_steps is not None and not w.complete
+        keep = self._keeps_window()
         if not keep and not w.empty:
             self._reset_window()
         if set_to_none:
@@ -324,6 +324,12 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
                     w.touched.add(id(p))
         if not keep:  # outside the window: cleared the native way, on the window's rule
             self._outside.clear(set_to_none)
+
+    def _keeps_window(self) -> bool:
+        """A clear now keeps the window: N given and the window still filling."""
+        w = self._window
+        return w.micro_steps > 0 and self.config.accumulation_steps is not None \
+            and not w.complete
 
     # -- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:
