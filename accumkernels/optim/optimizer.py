@@ -52,11 +52,20 @@ class _Slot:
             raise ValueError("fused gradient writes cannot be undone: nonfinite='skip_microbatch' "
                              "is not supported with fuse_wgrad_accumulation")
 
+    def __reduce__(self):  # a pickled or copied param carries a slot with no owner
+        return _dead_slot, ()
+
     def claim(self, p: torch.Tensor):
         owner = self._owner()
         if owner is None:
             raise RuntimeError("the AccumulatingOptimizer that managed this param is gone")
         return owner._intake.claim(p)
+
+
+def _dead_slot() -> _Slot:
+    slot = _Slot.__new__(_Slot)
+    slot._owner = lambda: None
+    return slot
 
 
 class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
@@ -342,6 +351,17 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         """Restore a ``state_dict()``; a state that does not fit changes nothing (ValueError)."""
         protocol.load_with_hooks(self, state_dict, lambda sd: checkpoint.restore(self, sd))
 
+    def __reduce__(self):
+        """``copy.deepcopy`` and pickle: a new wrapper over a copy of the inner optimizer (and,
+        as for any torch optimizer, of the params), with the window and masters restored."""
+        if self._dp.active or self._dp.ddp_group is not None:
+            raise TypeError("an AccumulatingOptimizer that reduces across ranks (process_group "
+                            "or DDP) cannot be pickled or deep-copied; save its state_dict()")
+        self._settle()
+        kwargs = {f: getattr(self.config, f) for f in self.config.__dataclass_fields__}
+        own = checkpoint.assemble(self)[checkpoint.OWN_KEY]
+        return _rebuild, (checkpoint.native_copy(self), kwargs, own)
+
     def remove_hooks(self) -> None:
         """Detach from the model's params (the wrapper stops accumulating during backward)."""
         self._intake.remove()
@@ -387,9 +407,15 @@ def _take_over(params: list[torch.Tensor], new_owner: AccumulatingOptimizer) -> 
     """A live wrapper already managing these params stops, with a warning."""
     for p in params:
         slot = get_slot(p)
-        if slot is not None and slot.owner is not new_owner:
+        if slot is not None and slot.owner is not None and slot.owner is not new_owner:
             warnings.warn("AccumulatingOptimizer: these params were managed by another live "
                           "wrapper; it is detached (its hooks removed) and this one takes over",
                           stacklevel=3)
             slot.owner.remove_hooks()
             return
+
+
+def _rebuild(inner: torch.optim.Optimizer, kwargs: dict, own: dict) -> AccumulatingOptimizer:
+    opt = AccumulatingOptimizer(inner, **kwargs)
+    opt.load_state_dict({**inner.state_dict(), checkpoint.OWN_KEY: own})
+    return opt
