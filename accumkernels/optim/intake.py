@@ -118,6 +118,8 @@ class Intake:
             end = _EndOfBackward(self)
             self._end_ref = weakref.ref(end)
             _engine.queue_callback(end)
+            if owner is not None:
+                owner._dp.backward_begins()
             if owner is not None and owner._dp.ddp_group is not None:
                 # DDP (accumkernels.optim.ddp) reads every p.grad of a sync backward, also of
                 # params this backward gives no gradient: none may still show the fp32 window.
