@@ -72,7 +72,7 @@ class Intake:
     """Hooks, pending gradients and fused launches for one wrapper (see the module docstring)."""
 
     def __init__(self, owner, params: list[torch.Tensor], buffer: MasterGradBuffer, *,
-                 move_in_backward: bool):
+                 move_in_backward: bool, outside: list[torch.Tensor] = ()):
         self._owner = weakref.ref(owner)
         self.params = params
         self.buffer = buffer
@@ -98,6 +98,8 @@ class Intake:
                 p.grad_dtype = None  # any dtype may sit in .grad: the fp32 view, or bf16 grads
             self.handles.append(p.register_hook(_pre_hook(me, i)))
             self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
+        for p in outside:  # params outside the window (float64, frozen): their backwards count
+            self.handles.append(p.register_post_accumulate_grad_hook(_outside_hook(me)))
         self._finalizer = weakref.finalize(owner, _remove_handles, self.handles)
 
     def remove(self) -> None:
@@ -353,6 +355,16 @@ def _pre_hook(intake_ref, i: int):
         intake = intake_ref()
         if intake is not None:
             intake.before_grad(i, grad)
+    return hook
+
+
+def _outside_hook(intake_ref):
+    def hook(param):
+        intake = intake_ref()
+        if intake is not None:
+            if intake._starting():
+                intake._begin()
+            intake._got_grad = True
     return hook
 
 

@@ -155,10 +155,12 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         for p in params:
             setattr(p, SLOT_ATTR, slot)
             p.grad = None
-        self._intake = Intake(self, params, buffer,
-                              move_in_backward=self.config.accumulate_in_backward)
         self._outside.rebuild({id(p) for p in self._masters.master_list()}
                               | {id(p) for p in self._params})
+        self._intake = Intake(self, params, buffer,
+                              move_in_backward=self.config.accumulate_in_backward,
+                              outside=[p for p in self._outside.params
+                                       if p.is_leaf and p.requires_grad])
 
     # -- sharing the inner optimizer ----------------------------------------------------------
     param_groups = property(lambda self: self.optimizer.param_groups,
