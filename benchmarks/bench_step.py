@@ -153,17 +153,22 @@ class StepRow:
         self.error: str | None = None
         master = spec.kind == "inner+copy_back"
         self.model_dtype = "fp32" if master else spec.dtype  # of the probe's params
-        self.model = Probe(init, DTYPES[self.model_dtype])
-        params = list(self.model.parameters())
-        self.low = [p.detach().to(torch.bfloat16) for p in params] if master else []
         self.micro = micro_batches if spec.kind == "wrapper" else 1
-        inner = torch.optim.AdamW(params, lr=LR, fused=not spec.foreach,
-                                  foreach=spec.foreach or None)
-        self.inner = inner
-        self.opt = inner
-        if spec.kind == "wrapper":
-            self.opt = accumkernels.AccumulatingOptimizer(
-                inner, accumulation_steps=micro_batches if declare_n else None, **spec.options)
+        self.low: list[torch.Tensor] = []
+        self.inner = self.opt = None
+        try:
+            self.model = Probe(init, DTYPES[self.model_dtype])
+            params = list(self.model.parameters())
+            if master:
+                self.low = [p.detach().to(torch.bfloat16) for p in params]
+            self.inner = self.opt = torch.optim.AdamW(params, lr=LR, fused=not spec.foreach,
+                                                      foreach=spec.foreach or None)
+            if spec.kind == "wrapper":
+                self.opt = accumkernels.AccumulatingOptimizer(
+                    self.inner, accumulation_steps=micro_batches if declare_n else None,
+                    **spec.options)
+        except Exception as exc:  # noqa: BLE001 - e.g. no fused AdamW on this device
+            self.error = _error(exc)
 
     def prepare(self, rsets: list[list[torch.Tensor]], rep: int) -> None:
         """Fresh gradients: zero_grad, then ``micro`` backwards (untimed)."""
@@ -181,12 +186,14 @@ class StepRow:
 
     def inner_steps(self) -> int:
         """Steps the inner optimizer took (its first param's ``step`` state)."""
+        if self.inner is None:
+            return 0
         first = self.inner.param_groups[0]["params"][0]
         step = self.inner.state.get(first, {}).get("step")
         return int(step) if step is not None else 0
 
     def close(self) -> None:
-        if self.opt is not self.inner:
+        if isinstance(self.opt, accumkernels.AccumulatingOptimizer):
             self.opt.remove_hooks()
 
 
@@ -319,16 +326,7 @@ def build_rows(specs: list[RowSpec], shapes: list[Shape], args: argparse.Namespa
     for name, dtype in DTYPES.items():
         rsets[name] = [[torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
                        for _ in range(2)]
-    rows = []
-    for spec in specs:
-        try:
-            rows.append(StepRow(spec, init, args.micro_batches, args.declare_n))
-        except Exception as exc:  # noqa: BLE001 - e.g. no fused AdamW on this device
-            row = StepRow.__new__(StepRow)
-            row.spec, row.times, row.error, row.micro = spec, [], _error(exc), 1
-            row.model_dtype, row.opt = spec.dtype, None
-            rows.append(row)
-    return rows, rsets
+    return [StepRow(spec, init, args.micro_batches, args.declare_n) for spec in specs], rsets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,8 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     records = [row_record(r, numel, args, expected, tallies.get(r.spec.name)) for r in rows]
     add_ratios(records)
     for r in rows:
-        if r.opt is not None:
-            r.close()
+        r.close()
     env = environment(device)
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {

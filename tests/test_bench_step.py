@@ -192,3 +192,30 @@ def test_defaults_depend_on_device():
     assert len(shapes) == 148 and sum(math.prod(s) for s in shapes) == 24_538_368
     gpu = bench_step.parse_args(["--device", "cuda"])  # parsing only: no GPU needed
     assert (gpu.workload, gpu.reps, gpu.threads) == ("gpt2-124m", 20, 0)
+
+
+def test_a_failing_row_is_recorded_and_the_others_go_on(monkeypatch):
+    monkeypatch.setitem(bench_step.VARIANTS, "bad", {"max_grad_norm": -1.0})
+    init = [torch.randn(3, 4), torch.randn(5)]
+    rsets = {d: [[torch.randn(t.shape).to(dt) for t in init] for _ in range(2)]
+             for d, dt in bench_step.DTYPES.items()}
+    bad = bench_step.StepRow(bench_step.RowSpec("bad", "wrapper", "fp32", "bad"), init, 2, False)
+    assert bad.error.startswith("ValueError") and "max_grad_norm" in bad.error
+    good = bench_step.StepRow(bench_step.RowSpec("adamw_fused", "inner", "fp32"), init, 2, False)
+    broken = bench_step.StepRow(_spec("wrapper_fp32_sum"), init, 2, False)
+
+    def boom() -> None:
+        raise RuntimeError("step failed")
+
+    broken.step = boom
+    bench_step.time_rows([bad, good, broken], rsets, 1, 2, torch.device("cpu"))
+    assert len(good.times) == 2 and bad.times == [] and broken.times == []
+    assert broken.error == "RuntimeError: step failed"
+    args = bench_step.parse_args(["--device", "cpu", "--quick"])
+    records = [bench_step.row_record(r, 17, args, 3, None) for r in (bad, good, broken)]
+    assert [r["status"] for r in records] == ["error", "ok", "error"]
+    assert records[1]["inner_steps"] == 3 and records[1]["median_ms"] > 0
+    # a row whose inner optimizer took fewer steps than it was given is not ok
+    assert bench_step.row_record(good, 17, args, 4, None)["status"] == "MISMATCH"
+    for r in (bad, good, broken):
+        r.close()
