@@ -21,8 +21,10 @@ import types
 import unittest
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import StepLR
 
 from accumkernels import AccumulatingOptimizer
 
@@ -264,3 +266,63 @@ def torch_sd(sd: dict) -> dict:
     """The torch optimizer state dict part (``state``, ``param_groups``) of a state dict."""
     return {"state": sd["state"], "param_groups": sd["param_groups"]}
 
+
+# -- loops shared by several contracts -------------------------------------------------------------
+
+# Two real steps, a step on all-None gradients, the first layer frozen for two steps (it gets
+# no gradient: native leaves it and its state alone) and unfrozen again; StepLR halves the LR
+# after every step, so a wrapper that missed an LR change would drift at once.
+PLAN = ("grad", "grad", "none", "freeze", "freeze", "unfreeze", "grad")
+
+
+def lockstep(config: Config, plan=PLAN, dtype=torch.float32) -> None:
+    """Run ``plan`` natively and wrapped, side by side; params equal after every step."""
+    n_model, native, model, opt = pair(config, dtype)
+    scheds = [StepLR(native, step_size=1, gamma=0.5), StepLR(opt, step_size=1, gamma=0.5)]
+    start = snapshot(model)
+    for i, (event, batch) in enumerate(zip(plan, batches(len(plan), dtype))):
+        if event in ("freeze", "unfreeze"):
+            for m in (n_model, model):
+                m[0].requires_grad_(event == "unfreeze")
+        results = [train_step(m, o, batch, config, backward=event != "none")
+                   for m, o in ((n_model, native), (model, opt))]
+        assert_same(results[1], results[0], f"step {i} ({event}): value step() returned")
+        assert_same_params(n_model, model, f"step {i} ({event}): ")
+        for s in scheds:
+            s.step()
+    assert_moved(model, start)
+
+
+def assert_refused(build, *words: str) -> None:
+    """``build()`` raises ValueError/TypeError whose message names one of ``words``."""
+    with pytest.raises((ValueError, TypeError)) as info:
+        build()
+    msg = str(info.value).lower()
+    assert any(w in msg for w in words), f"refusal does not name {words}: {info.value}"
+
+
+def trained(config: Config, steps: int = 2, **kwargs):
+    """``pair()`` after ``steps`` identical training steps."""
+    n_model, native, model, opt = pair(config, **kwargs)
+    for batch in batches(steps):
+        train_step(n_model, native, batch, config)
+        train_step(model, opt, batch, config)
+    return n_model, native, model, opt
+
+
+def fresh(config: Config, like: torch.nn.Module, kind: str):
+    """A new model with ``like``'s weights, and a new optimizer on it (native or wrapped)."""
+    model = make_model(config, next(like.parameters()).dtype)
+    model.load_state_dict(like.state_dict())
+    inner = config.build(param_groups(config, model))
+    return model, (wrap(inner) if kind == "wrapper" else inner)
+
+
+def continue_alike(config: Config, a, b, steps: int = 2) -> None:
+    """Train (model, opt) pairs ``a`` and ``b`` on the same data; params equal throughout."""
+    start = snapshot(b[0])
+    for i, batch in enumerate(batches(steps)):
+        train_step(*a, batch, config)
+        train_step(*b, batch, config)
+        assert_same_params(a[0], b[0], f"step {i} after loading: ")
+    assert_moved(b[0], start)

@@ -24,62 +24,41 @@ import torch
 from _conformance_common import (
     ALL_CONFIGS,
     DEFAULTS,
+    INFOS,
     SAMPLE,
     Config,
+    OptimizerErrorEnum,
     assert_moved,
+    assert_refused,
     assert_same,
     assert_same_params,
     batches,
+    continue_alike,
     drive,
+    fresh,
     ids,
+    lockstep,
     loss_of,
     make_model,
     pair,
-    param_groups,
     same_outcome,
     snapshot,
     torch_sd,
     train_step,
+    trained,
     wrap,
 )
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.optim.lr_scheduler import StepLR
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from accumkernels import AccumulatingOptimizer
-
-# Two real steps, a step on all-None gradients, the first layer frozen for two steps (it gets
-# no gradient: native leaves it and its state alone) and unfrozen again; StepLR halves the LR
-# after every step, so a wrapper that missed an LR change would drift at once.
-PLAN = ("grad", "grad", "none", "freeze", "freeze", "unfreeze", "grad")
-
-
-def lockstep(config: Config, plan=PLAN, dtype=torch.float32) -> None:
-    """Run ``plan`` natively and wrapped, side by side; params equal after every step."""
-    n_model, native, model, opt = pair(config, dtype)
-    scheds = [StepLR(native, step_size=1, gamma=0.5), StepLR(opt, step_size=1, gamma=0.5)]
-    start = snapshot(model)
-    for i, (event, batch) in enumerate(zip(plan, batches(len(plan), dtype))):
-        if event in ("freeze", "unfreeze"):
-            for m in (n_model, model):
-                m[0].requires_grad_(event == "unfreeze")
-        results = [train_step(m, o, batch, config, backward=event != "none")
-                   for m, o in ((n_model, native), (model, opt))]
-        assert_same(results[1], results[0], f"step {i} ({event}): value step() returned")
-        assert_same_params(n_model, model, f"step {i} ({event}): ")
-        for s in scheds:
-            s.step()
-    assert_moved(model, start)
-
-
-def assert_refused(build, *words: str) -> None:
-    """``build()`` raises ValueError/TypeError whose message names one of ``words``."""
-    with pytest.raises((ValueError, TypeError)) as info:
-        build()
-    msg = str(info.value).lower()
-    assert any(w in msg for w in words), f"refusal does not name {words}: {info.value}"
 
 
 # -- steps -----------------------------------------------------------------------------------------
@@ -197,33 +176,6 @@ def test_step_with_closure_matches_native(config: Config) -> None:
 
 # -- state dicts -----------------------------------------------------------------------------------
 
-def trained(config: Config, steps: int = 2, **kwargs):
-    """``pair()`` after ``steps`` identical training steps."""
-    n_model, native, model, opt = pair(config, **kwargs)
-    for batch in batches(steps):
-        train_step(n_model, native, batch, config)
-        train_step(model, opt, batch, config)
-    return n_model, native, model, opt
-
-
-def fresh(config: Config, like: torch.nn.Module, kind: str):
-    """A new model with ``like``'s weights, and a new optimizer on it (native or wrapped)."""
-    model = make_model(config, next(like.parameters()).dtype)
-    model.load_state_dict(like.state_dict())
-    inner = config.build(param_groups(config, model))
-    return model, (wrap(inner) if kind == "wrapper" else inner)
-
-
-def continue_alike(config: Config, a, b, steps: int = 2) -> None:
-    """Train (model, opt) pairs ``a`` and ``b`` on the same data; params equal throughout."""
-    start = snapshot(b[0])
-    for i, batch in enumerate(batches(steps)):
-        train_step(*a, batch, config)
-        train_step(*b, batch, config)
-        assert_same_params(a[0], b[0], f"step {i} after loading: ")
-    assert_moved(b[0], start)
-
-
 @pytest.mark.parametrize("config", SAMPLE, ids=ids(SAMPLE))
 def test_state_dict_is_a_torch_optimizer_state_dict(config: Config) -> None:
     """Top-level ``state``/``param_groups`` equal to native's; loadable with weights_only."""
@@ -330,3 +282,252 @@ def test_checkpoint_between_windows_carries_no_window() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     assert sum(t.numel() for t in tensors) < n_params, \
         f"{sum(t.numel() for t in tensors)} tensor elements besides state/param_groups"
+
+
+# -- hooks -----------------------------------------------------------------------------------------
+
+def role(obj, opt) -> str:
+    """What a hook received: the optimizer it was registered on, the wrapped one, or other."""
+    return "opt" if obj is opt else "inner" if obj is getattr(opt, "optimizer", None) else "other"
+
+
+def step_hook_log(opt, log: list) -> list:
+    """Global (0 pre, 5 post) and per-instance (1 pre, 2 post) step hooks appending to log."""
+    def hook(tag):
+        return lambda o, args, kwargs: log.append((tag, role(o, opt), len(args), sorted(kwargs)))
+    return [register_optimizer_step_pre_hook(hook(0)), opt.register_step_pre_hook(hook(1)),
+            opt.register_step_post_hook(hook(2)), register_optimizer_step_post_hook(hook(5))]
+
+
+@pytest.mark.parametrize("config", DEFAULTS, ids=ids(DEFAULTS))
+def test_step_hooks_fire_once_per_step_in_native_order(config: Config) -> None:
+    """Global and per-instance step hooks: once per step, order [0, 1, 2, 5], native's args."""
+    n_model, native, model, opt = pair(config)
+    logs = []
+    for m, o in ((n_model, native), (model, opt)):
+        log: list = []
+        handles = step_hook_log(o, log)
+        try:
+            for batch in batches(2):
+                train_step(m, o, batch, config)
+        finally:
+            for h in handles:
+                h.remove()
+        logs.append(log)
+    assert [e[0] for e in logs[0]] == [0, 1, 2, 5] * 2  # the restated contract, natively
+    assert logs[1] == logs[0]
+
+
+def test_no_op_step_fires_no_step_hooks() -> None:
+    """Hooks mark real steps: a mid-window step() (accumulation_steps=2) fires none of them."""
+    config = next(c for c in DEFAULTS if c.name == "SGD")
+    _, _, model, opt = pair(config, accumulation_steps=2)
+    log: list = []
+    handles = step_hook_log(opt, log)
+    try:
+        for k, batch in enumerate(batches(2)):
+            loss_of(model, batch).backward()
+            opt.step()
+            assert [e[0] for e in log] == ([] if k == 0 else [0, 1, 2, 5]), f"micro-batch {k}"
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("config", DEFAULTS, ids=ids(DEFAULTS))
+def test_state_dict_hooks_run_like_native(config: Config) -> None:
+    """state_dict pre hooks see the optimizer before packing, post hooks may rewrite the dict."""
+    _, native, _, opt = trained(config, steps=1)
+    results = []
+    for o in (native, opt):
+        log: list = []
+
+        def pre(x, o=o, log=log):
+            log.append(("pre", role(x, o)))
+            x.state["marker"] = 1
+
+        def post(x, sd, o=o, log=log):
+            log.append(("post", role(x, o), sd["state"].pop("marker", None)))
+            sd["post_hook_ran"] = True
+            return sd
+        o.register_state_dict_pre_hook(pre)
+        o.register_state_dict_post_hook(post)
+        sd = o.state_dict()
+        o.state.pop("marker", None)
+        results.append((log, sd.get("post_hook_ran"), "marker" in sd["state"]))
+    assert results[0] == ([("pre", "opt"), ("post", "opt", 1)], True, False)  # natively
+    assert results[1] == results[0]
+
+
+@pytest.mark.parametrize("config", DEFAULTS, ids=ids(DEFAULTS))
+def test_load_state_dict_hooks_run_like_native(config: Config) -> None:
+    """load pre hooks run in order (prepend first), one's returned dict replaces the input,
+    in-place edits are loaded; the post hook runs after loading."""
+    n_model, native, model, opt = trained(config, steps=1)
+    logs = []
+    for kind, (m, o) in (("native", (n_model, native)), ("wrapper", (model, opt))):
+        _, dst = fresh(config, m, kind)
+        log: list = []
+
+        def edit(x, sd, dst=dst, log=log):
+            log.append(("edit", role(x, dst), sd["param_groups"][0]["lr"]))
+            sd["param_groups"][0]["lr"] = 0.002
+
+        def replace(x, sd, dst=dst, log=log):
+            log.append(("replace", role(x, dst), {"state", "param_groups"} <= set(sd)))
+            new = copy.deepcopy(sd)
+            new["param_groups"][0]["lr"] = 0.003
+            return new
+        dst.register_load_state_dict_pre_hook(edit)
+        dst.register_load_state_dict_pre_hook(replace, prepend=True)
+        dst.register_load_state_dict_post_hook(
+            lambda x, dst=dst, log=log: log.append(("post", role(x, dst), x.param_groups[0]["lr"])))
+        dst.load_state_dict(copy.deepcopy(o.state_dict()))
+        logs.append(log)
+    assert logs[0] == [("replace", "opt", True), ("edit", "opt", 0.003), ("post", "opt", 0.002)]
+    assert logs[1] == logs[0]
+
+
+# -- what the wrapper exposes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", DEFAULTS, ids=ids(DEFAULTS))
+def test_public_interface_of_the_inner_optimizer(config: Config) -> None:
+    """Everything public on the native optimizer is there on the wrapper, which is an Optimizer
+    and prints."""
+    _, native, _, opt = pair(config)
+    assert isinstance(opt, torch.optim.Optimizer)
+    missing = [n for n in dir(native) if not n.startswith("_") and not hasattr(opt, n)]
+    assert not missing, f"public names of {config.name} missing on the wrapper: {missing}"
+    assert config.name in repr(opt) or "AccumulatingOptimizer" in repr(opt)
+
+
+class ShiftingSGD(torch.optim.SGD):
+    """Schedule-free style: eval() moves the params to another point, train() moves them back."""
+
+    SHIFT = 0.5
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.mode = "train"
+
+    @torch.no_grad()
+    def _shift(self, sign: float, mode: str) -> None:
+        if self.mode != mode:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(sign * self.SHIFT)
+            self.mode = mode
+
+    def eval(self) -> None:
+        self._shift(1.0, "eval")
+
+    def train(self) -> None:
+        self._shift(-1.0, "train")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-masters"])
+def test_train_eval_pass_through_and_move_the_model(dtype: torch.dtype) -> None:
+    """opt.eval()/opt.train() reach the inner optimizer; with master weights the model's own
+    weights move too (fp32 masters shifted, then rounded to bf16)."""
+    config = next(c for c in DEFAULTS if c.name == "SGD")
+    model = make_model(config, dtype)
+    start = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+    opt = wrap(ShiftingSGD(model.parameters(), lr=0.1))
+    assert isinstance(opt, torch.optim.Optimizer) and opt.mode == "train"
+    opt.eval()
+    assert opt.mode == "eval"
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), (start[n] + 0.5).to(dtype)), f"eval(): {n} not shifted"
+    opt.train()
+    assert opt.mode == "train"
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), (start[n] + 0.5 - 0.5).to(dtype)), f"train(): {n}"
+
+
+# -- errors and refusals ---------------------------------------------------------------------------
+
+ERROR_CASES = [pytest.param(info, err, id=f"{name}-{err.optimizer_error_input.desc}")
+               for name, info in INFOS.items()
+               for err in info.optim_error_inputs_func(device="cpu", dtype=torch.float32)]
+
+
+@pytest.mark.parametrize(("info", "err"), ERROR_CASES)
+def test_error_inputs_raise_like_native(info, err) -> None:
+    """optim_db's error inputs: construction errors are the inner optimizer's own; step errors
+    (complex params) are refused by the wrapper at construction, naming the problem."""
+    oi = err.optimizer_error_input
+    params = oi.params if oi.params is not None else [nn.Parameter(torch.randn(2, 3))]
+
+    def build():
+        return info.optim_cls(params, **oi.kwargs)
+    if err.error_on == OptimizerErrorEnum.STEP_ERROR:
+        with pytest.raises(err.error_type, match=err.error_regex):
+            build().step()
+        assert any(p.is_complex() for p in params), "a step error this suite does not know"
+        assert_refused(lambda: wrap(build()), "complex")
+    elif issubclass(err.error_type, Warning):  # duplicate params: native warns and steps twice
+        with pytest.warns(err.error_type, match=err.error_regex):
+            inner = build()
+        assert_refused(lambda: wrap(inner), "more than once", "duplicate")
+    else:
+        with pytest.raises(err.error_type, match=err.error_regex):
+            build()
+
+
+REFUSALS = [pytest.param(info, what, id=f"{name}-{what}") for name, info in INFOS.items()
+            for what in ("complex", "meta", "differentiable", "sparse")
+            if what != "differentiable" or what in info.supported_impls
+            if what != "sparse" or info.supports_sparse or info.only_supports_sparse_grads
+            if what not in ("complex", "meta") or not info.only_supports_sparse_grads]
+
+
+@pytest.mark.parametrize(("info", "what"), REFUSALS)
+def test_refused_at_construction(info, what: str) -> None:
+    """Complex and meta params, sparse gradients, differentiable=True: a ValueError/TypeError
+    naming the problem when the wrapper is built, and the model is left as it was."""
+    model = nn.Embedding(10, 3, sparse=True) if what == "sparse" else make_model(
+        next(c for c in DEFAULTS if c.info is info))
+    params = {"complex": [nn.Parameter(torch.randn(3, 2, dtype=torch.complex64))],
+              "meta": [nn.Parameter(torch.empty(3, 2, device="meta"))]}.get(
+        what, list(model.parameters()))
+    inner = info.optim_cls(params, **({"differentiable": True} if what == "differentiable" else {}))
+    assert_refused(lambda: wrap(inner), what)
+    if what in ("sparse", "differentiable"):
+        out = model(torch.randint(0, 10, (4,))) if what == "sparse" else model(
+            torch.randn(2, 5))
+        out.square().sum().backward()
+        for p in model.parameters():
+            assert p.grad is not None and not hasattr(p, "main_grad"), "the model was touched"
+
+
+# -- what native steps, the wrapper steps ----------------------------------------------------------
+
+@pytest.mark.parametrize("config", DEFAULTS, ids=ids(DEFAULTS))
+def test_float64_params_train_like_native(config: Config) -> None:
+    """float64 params are stepped as natively, bit for bit."""
+    lockstep(config, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("config", DEFAULTS, ids=ids(DEFAULTS))
+def test_params_without_requires_grad_but_with_grad_are_stepped(config: Config) -> None:
+    """A tensor with requires_grad=False in the optimizer, given a .grad: native steps it."""
+    n_model, model = make_model(config), None
+    model = copy.deepcopy(n_model)
+    extra = [torch.randn(2, 3)]
+    extra.append(extra[0].clone())
+    native = config.build(list(n_model.parameters()) + [extra[0]])
+    opt = wrap(config.build(list(model.parameters()) + [extra[1]]))
+    start = extra[1].clone()
+    for i, batch in enumerate(batches(2)):
+        g = torch.randn(2, 3)
+        for m, o, e in ((n_model, native, extra[0]), (model, opt, extra[1])):
+            def work(m=m, o=o, e=e):
+                o.zero_grad()
+                loss = loss_of(m, batch)
+                loss.backward()
+                e.grad = g.clone()
+                return loss.detach()
+            drive(o, config, work)
+        assert_same(extra[1], extra[0], f"step {i}: the requires_grad=False tensor")
+        assert_same_params(n_model, model, f"step {i}: ")
+    assert not torch.equal(extra[1], start), "not stepped"
