@@ -491,7 +491,19 @@ def test_refused_at_construction(info, what: str) -> None:
               "meta": [nn.Parameter(torch.empty(3, 2, device="meta"))]}.get(
         what, list(model.parameters()))
     inner = info.optim_cls(params, **({"differentiable": True} if what == "differentiable" else {}))
-    assert_refused(lambda: wrap(inner), what)
+    if what == "sparse":  # the params alone do not say their gradients will be sparse: the
+        # model does (refused at construction), else the first sparse gradient (refused
+        # before anything is counted or written)
+        assert_refused(lambda: wrap(inner, model=model), what)
+        opt = wrap(inner)
+        assert_refused(lambda: model(torch.randint(0, 10, (4,))).sum().backward(), what)
+        assert opt.micro_steps == 0 and not opt._window.touched
+        opt.remove_hooks()
+        for p in model.parameters():
+            p.grad = None
+            del p.main_grad
+    else:
+        assert_refused(lambda: wrap(inner), what)
     if what in ("sparse", "differentiable"):
         out = model(torch.randint(0, 10, (4,))) if what == "sparse" else model(
             torch.randn(2, 5))

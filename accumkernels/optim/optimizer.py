@@ -127,6 +127,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         if model is not None:
             check_model(model)
+            _refuse_sparse_modules(model)
         self._scaler = LossScaler(cfg.loss_scale)
         self._window = Window(cfg)
         self._masters = MasterWeights(optimizer, master_weights == "auto" and any(
@@ -382,9 +383,6 @@ def _check_inner(optimizer: object) -> None:
     if previous is not None and getattr(optimizer, "_accumkernels_masters", False):
         raise ValueError("this optimizer was wrapped before with master weights: its "
                          "param_groups now hold that wrapper's fp32 copies; build a new one")
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        raise ValueError("SparseAdam steps sparse gradients, which the fp32 window cannot hold; "
-                         "use it without AccumulatingOptimizer (autograd sums sparse gradients)")
     seen: set[int] = set()
     for g, group in enumerate(optimizer.param_groups):
         if group.get("differentiable"):
@@ -403,6 +401,17 @@ def _check_inner(optimizer: object) -> None:
             if not p.is_floating_point():
                 raise TypeError(f"{where} has dtype {p.dtype}; expected a floating-point param")
             seen.add(id(p))
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ValueError("SparseAdam steps sparse gradients, which the fp32 window cannot hold; "
+                         "use it without AccumulatingOptimizer (autograd sums sparse gradients)")
+
+
+def _refuse_sparse_modules(model: torch.nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(f"{name or 'model'} is an {type(module).__name__} with sparse=True: "
+                             "its sparse gradients cannot be summed in the dense fp32 window; "
+                             "use sparse=False, or train without AccumulatingOptimizer")
 
 
 def _take_over(params: list[torch.Tensor], new_owner: AccumulatingOptimizer) -> None:
