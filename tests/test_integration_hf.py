@@ -129,7 +129,9 @@ def test_trainer_bf16_model_clips_fp32_window(tmp_path):
         torch.testing.assert_close(m, r, atol=1e-6, rtol=0)
     for p, q in zip(ours.parameters(), ref.parameters()):
         assert p.dtype == torch.bfloat16
-        torch.testing.assert_close(p.float(), q.float(), atol=1e-6, rtol=2 ** -8)
+        # masters agree to 1e-6, but two of them on either side of a bf16 rounding boundary
+        # round to neighbouring bf16 values: one bf16 step (2**-7 relative) apart at most
+        torch.testing.assert_close(p.float(), q.float(), atol=1e-6, rtol=2 ** -7)
     assert_moved(ours, start)
 
 
