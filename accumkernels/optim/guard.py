@@ -52,7 +52,7 @@ class Guard:
         p = intake.params[i]
         if p.dtype is not self.dtypes[i] or p.device != self.devices[i]:
             self._raise_changed(i)
-        if grad.layout is not torch.strided:
+        if grad is not None and grad.layout is not torch.strided:
             raise ValueError(f"{self._name(i)} got a {grad.layout} gradient (e.g. "
                              "nn.Embedding(sparse=True)); the fp32 window holds dense gradients "
                              "only: use sparse=False, or train without AccumulatingOptimizer")

@@ -156,8 +156,8 @@ class Intake:
         self.guard.before_grad(i, grad)
         if self._starting():
             self._begin()
-        if grad.requires_grad:  # backward(create_graph=True): autograd adds out of place into
-            return  # the view, so .grad carries the graph (see after_grad)
+        if grad is not None and grad.requires_grad:  # backward(create_graph=True): autograd
+            return  # adds out of place into the view, so .grad carries the graph (after_grad)
         if self.params[i].grad is not None:
             self._hide(i)
 
