@@ -69,6 +69,8 @@ class Plan {
     int64_t ndim;
   };
   Plan() = default;
+  py::object capture(bool again);
+  py::object run_once(py::handle keys, py::handle src, const CallOptions& opt, bool& moved);
   bool src_fits(const TensorMeta& m, const Slot& s) const;
   py::object check_overlaps(const std::vector<int32_t>& order, const std::vector<TensorMeta>& src,
                             const TensorMeta* scale, const TensorMeta* found_inf) const;
