@@ -252,9 +252,14 @@ class LaunchPlan:
     of the dst in any order. ``owner``, a tensor every dst is a view of (found by itself when the
     dst are views of one ``_base``), lets a launch bump one version counter instead of one per
     dst, and check one ``requires_grad`` (the dst must not be made to require grad on their
-    own). The dst tensors must keep their storage and shape while the plan is used (the plan
-    holds them). Without the extension's tensor reader, or for backends other than
-    ``cpu``/``cuda``, a launch is a plain ``accumulate_``.
+    own). The plan holds the dst tensors. Each launch first checks that their memory has not
+    moved (one look at the owner's address; without an owner, at each launched dst's): after a
+    move (``share_memory_``, a storage resized or swapped) it reads the dst again and launches on
+    the new addresses, or raises ValueError, with nothing written, if a dst no longer lies in
+    the owner's memory or no longer qualifies. With an owner, a dst view given other memory on
+    its own (``view.data = t``) is not seen (the write lands in the owner's memory, which stays
+    valid). Without the extension's tensor reader, or for backends other than ``cpu``/``cuda``,
+    a launch is a plain ``accumulate_``.
     """
 
     def __init__(self, dst: Sequence[torch.Tensor], *, keys: Sequence | None = None,

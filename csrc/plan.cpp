@@ -49,8 +49,10 @@ py::object Plan::capture(bool again) {
                  : failure(code, static_cast<int64_t>(i));
   };
   TensorMeta d{}, own{};
-  if (again && !owner_.is_none() && (!read_meta(owner_.ptr(), own) || own.data == 0))
-    return fail("slow", 0, 0);
+  if (!owner_.is_none()) {
+    if (!read_meta(owner_.ptr(), own) || (again && own.data == 0)) return fail("slow", 0, 0);
+    owner_data_ = own.data;
+  }
   std::vector<Span> spans, no_src, all;
   slots_.clear();
   sizes_.clear();
@@ -153,6 +155,18 @@ py::object Plan::run_once(py::handle keys, py::handle src_seq, const CallOptions
     if (static_cast<size_t>(key_items->size()) != n)
       throw std::invalid_argument("Plan.run: keys and src differ in length");
   }
+  // Writes go to the addresses read when the plan was built: only if the memory is still there.
+  // With an owner (every dst a view of it, sharing its storage), one look at the owner's address
+  // covers them all; without one, each launched dst is looked at below (one shim call each).
+  const bool owned = !owner_.is_none();
+  uintptr_t now = 0;
+  if (owned) {
+    if (!read_data_ptr(owner_.ptr(), now)) return failure("slow");
+    if (now != owner_data_) {
+      moved = true;
+      return py::none();
+    }
+  }
   if (++launch_ == 0) {  // the stamp counter wrapped: forget every stamp
     std::fill(stamp_.begin(), stamp_.end(), 0);
     launch_ = 1;
@@ -182,12 +196,12 @@ py::object Plan::run_once(py::handle keys, py::handle src_seq, const CallOptions
     TensorMeta& x = metas[k];
     if (!read_meta(src[static_cast<Py_ssize_t>(k)], x)) return failure("slow");
     const Slot& slot = slots_[su];
-    // The write goes to slot.data: only if the dst still lives there (one shim call).
-    uintptr_t now = 0;
-    if (!read_data_ptr(PyList_GET_ITEM(dst_.ptr(), s), now)) return failure("slow");
-    if (now != slot.data) {
-      moved = true;
-      return py::none();
+    if (!owned) {
+      if (!read_data_ptr(PyList_GET_ITEM(dst_.ptr(), s), now)) return failure("slow");
+      if (now != slot.data) {
+        moved = true;
+        return py::none();
+      }
     }
     if (!src_fits(x, slot)) return failure("pair", static_cast<int64_t>(k));
     if (slot.numel > 0)

@@ -310,18 +310,19 @@ def test_plan_refuses_while_its_storage_is_freed_and_recovers():
     _launch_and_check(plan, views)
 
 
-def test_plan_never_writes_where_a_repointed_view_used_to_be():
-    """A view given new memory (``.data =``): with an owner, the view no longer lies in it, so
-    the launch refuses; without one, the launch writes the view's new memory. The old memory
-    is never written."""
+def test_plan_never_writes_through_memory_it_did_not_recheck():
+    """The owner given new memory (``.data =``): the views no longer lie in it, so the launch
+    refuses (nothing written, old or new memory). Without an owner, a dst given new memory is
+    followed: the launch writes the new memory, never the old one."""
     flat, views = _plan_case()
     owned = LaunchPlan(views)  # owner: their _base
     assert owned.owner is flat
     _launch_and_check(owned, views)
-    views[1].data = rand(views[1].numel())
+    old_flat = flat.data
+    flat.data = rand(flat.numel())
     src = [rand(v.numel()) for v in views]
-    saved = snapshot(flat, views[1], *src)
-    with pytest.raises(ValueError, match=r"dst\[1\] moved since the plan was built and no "
+    saved = snapshot(flat, old_flat, *views, *src)
+    with pytest.raises(ValueError, match=r"dst\[0\] moved since the plan was built and no "
                                          r"longer lies in the memory of the plan's owner"):
         owned(src, 1.0)
     unchanged(saved)
