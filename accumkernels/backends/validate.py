@@ -52,7 +52,8 @@ def _pairs_ok(dst: list, src: list, device: torch.device) -> bool:
         and all(d.shape == x.shape for d, x in zip(dst, src))
         and all(d.device == device for d in dst) and all(x.device == device for x in src)
         and all(d.is_contiguous() for d in dst) and all(x.is_contiguous() for x in src)
-        and not any(map(_neg, dst)) and not any(map(_neg, src))
+        and (_is_compiling() or not (any(d.is_neg() for d in dst)
+                                     or any(x.is_neg() for x in src)))
     )
 
 
