@@ -252,9 +252,14 @@ class LaunchPlan:
     of the dst in any order. ``owner``, a tensor every dst is a view of (found by itself when the
     dst are views of one ``_base``), lets a launch bump one version counter instead of one per
     dst, and check one ``requires_grad`` (the dst must not be made to require grad on their
-    own). The dst tensors must keep their storage and shape while the plan is used (the plan
-    holds them). Without the extension's tensor reader, or for backends other than
-    ``cpu``/``cuda``, a launch is a plain ``accumulate_``.
+    own). The plan holds the dst tensors. Each launch first checks that their memory has not
+    moved (one look at the owner's address; without an owner, at each launched dst's): after a
+    move (``share_memory_``, a storage resized or swapped) it reads the dst again and launches on
+    the new addresses, or raises ValueError, with nothing written, if a dst no longer lies in
+    the owner's memory or no longer qualifies. With an owner, a dst view given other memory on
+    its own (``view.data = t``) is not seen (the write lands in the owner's memory, which stays
+    valid). Without the extension's tensor reader, or for backends other than ``cpu``/``cuda``,
+    a launch is a plain ``accumulate_``.
     """
 
     def __init__(self, dst: Sequence[torch.Tensor], *, keys: Sequence | None = None,
@@ -266,6 +271,7 @@ class LaunchPlan:
             if len(keys) != len(dst) or len({id(k) for k in keys}) != len(keys):
                 raise ValueError("LaunchPlan: keys must name each dst once")
         for i, d in enumerate(dst):
+            validate.check_plain(f"dst[{i}]", d)
             validate.check_dst(i, d, dst[0].device)
         if owner is None and dst and dst[0]._base is not None \
                 and all(d._base is dst[0]._base for d in dst):
@@ -304,6 +310,8 @@ class LaunchPlan:
                                      found_inf, _flags(), self.backend, self.device)
             if failed is None:
                 return
+            if failed[0] == "plan_stale":
+                self._raise_stale(failed)
             if failed[0] not in ("slow", "not_member"):
                 validate.raise_failure(failed, self._select(keys), src, scale_tensor, found_inf)
         accumulate_(self._select(keys), src, scale, overwrite=overwrite, found_inf=found_inf,
@@ -320,6 +328,17 @@ class LaunchPlan:
                 self._native, keys, src, scale, None, overwrite, None, _flags(), self.backend,
                 self.device)
         return layers
+
+    def _raise_stale(self, failed: tuple) -> None:
+        """A dst moved since the plan read it and, read again, breaks a rule: nothing written."""
+        _, i, why = failed
+        if why == 1:
+            validate.check_dst(i, self.dst[i], self.device)
+        reason = {0: "no longer lies in the memory of the plan's owner (it is not a view of it "
+                     "any more)",
+                  2: "now overlaps another dst in memory"}.get(why, "cannot be used any more")
+        fail(ValueError, f"LaunchPlan: dst[{i}] moved since the plan was built and {reason}; "
+             "nothing was written; build a new plan")
 
     def _select(self, keys: Sequence | None) -> list[torch.Tensor]:
         if keys is None:

@@ -188,6 +188,14 @@ PYBIND11_MODULE(_C, m) {
       "find_impl_offset",
       [](py::handle samples) { return ak::torch_api_find_impl_offset(samples.ptr()); },
       "Read TensorImpl pointers at the offset where every sample's `_cdata` is found (0: none).");
+  m.def(
+      "find_keyset_offset",
+      [](py::handle samples, py::handle raw_keysets, uint64_t neg_mask) {
+        return ak::torch_api_find_keyset_offset(samples.ptr(), raw_keysets.ptr(), neg_mask);
+      },
+      py::arg("samples"), py::arg("raw_keysets"), py::arg("neg_mask"),
+      "Read each tensor's neg bit (`neg_mask` of its DispatchKeySet) at the TensorImpl offset "
+      "where every sample holds its raw key set (0: none found).");
   m.def("torch_api_ready", &ak::torch_api_ready, "Whether the tensor reader is on.");
   m.def(
       "tensor_meta",
@@ -197,10 +205,10 @@ PYBIND11_MODULE(_C, m) {
         py::tuple sizes(m.ndim);
         for (int64_t k = 0; k < m.ndim; ++k) sizes[k] = m.sizes[k];
         return py::make_tuple(m.data, sizes, m.numel, m.dtype, m.device_type, m.device_index,
-                              m.contiguous);
+                              m.contiguous, m.neg);
       },
       "What the reader sees: (data_ptr, sizes, numel, dtype code or -1, device type, device "
-      "index, contiguous), or None when it cannot read `t`.");
+      "index, contiguous, neg bit), or None when it cannot read `t`.");
 
   // A plain METH_FASTCALL function: pybind11's argument handling would cost a third of a short
   // call (11 arguments).

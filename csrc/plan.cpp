@@ -29,30 +29,60 @@ py::object Plan::create(py::handle dst_seq, py::handle keys, py::handle owner, b
       if (!plan->slot_of_.emplace(k[i], static_cast<int32_t>(i)).second)
         throw std::invalid_argument("Plan: a key appears twice");
   }
-  std::vector<Span> spans, no_src, all;
-  TensorMeta d{};
-  for (size_t i = 0; i < n; ++i) {
-    if (!read_meta(dst[i], d)) return failure("slow");
-    if (i == 0) plan->device_type_ = d.device_type, plan->device_index_ = d.device_index;
-    const Device dev{plan->device_type_, plan->device_index_};
-    if (d.dtype != kFloat32 || !d.contiguous || !dev.holds(d) || (d.numel > 0 && d.data == 0))
-      return failure("dst", static_cast<int64_t>(i));
-    plan->slots_.push_back({d.data, d.numel, plan->sizes_.size(), d.ndim});
-    plan->sizes_.insert(plan->sizes_.end(), d.sizes, d.sizes + d.ndim);
-    if (d.numel == 0) continue;
-    spans.push_back({d.data, d.end(), static_cast<int32_t>(i), true, true});
-    plan->lo_ = spans.size() == 1 ? d.data : std::min(plan->lo_, d.data);
-    plan->hi_ = std::max(plan->hi_, d.end());
-  }
-  py::object overlap = find_overlap(spans, no_src, all);
-  if (!overlap.is_none()) return overlap;
+  py::object failed = plan->capture(false);
+  if (!failed.is_none()) return failed;
   plan->stamp_.assign(n, 0);
   plan->pos_.assign(n, -1);
   return py::cast(plan.release(), py::return_value_policy::take_ownership);
 }
 
+// Reads every dst and checks the dst rules; fills slots_, sizes_, lo_, hi_ (and the device, at
+// creation). `again`: the dst moved since they were captured; failures then are ("plan_stale",
+// i, why) with why 0 (no longer inside the owner's memory), 1 (no longer a usable dst) or 2
+// (overlapping another dst), and the plan launches nothing until a later refresh succeeds.
+py::object Plan::capture(bool again) {
+  const Items dst(dst_);
+  const auto n = static_cast<size_t>(dst.size());
+  auto fail = [&](const char* code, size_t i, int64_t why) {
+    if (again) slots_.clear();  // never launch on a half-refreshed table
+    return again ? failure("plan_stale", static_cast<int64_t>(i), why)
+                 : failure(code, static_cast<int64_t>(i));
+  };
+  TensorMeta d{}, own{};
+  if (!owner_.is_none()) {
+    if (!read_meta(owner_.ptr(), own) || (again && own.data == 0)) return fail("slow", 0, 0);
+    owner_data_ = own.data;
+  }
+  std::vector<Span> spans, no_src, all;
+  slots_.clear();
+  sizes_.clear();
+  lo_ = hi_ = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!read_meta(dst[static_cast<Py_ssize_t>(i)], d)) return fail("slow", i, 1);
+    if (i == 0 && !again) device_type_ = d.device_type, device_index_ = d.device_index;
+    const Device dev{device_type_, device_index_};
+    if (d.dtype != kFloat32 || !d.contiguous || !dev.holds(d) || d.neg ||
+        (d.numel > 0 && d.data == 0))
+      return fail("dst", i, 1);
+    if (again && !owner_.is_none() && d.numel > 0 && (d.data < own.data || d.end() > own.end()))
+      return fail("dst", i, 0);
+    slots_.push_back({d.data, d.numel, sizes_.size(), d.ndim});
+    sizes_.insert(sizes_.end(), d.sizes, d.sizes + d.ndim);
+    if (d.numel == 0) continue;
+    spans.push_back({d.data, d.end(), static_cast<int32_t>(i), true, true});
+    lo_ = spans.size() == 1 ? d.data : std::min(lo_, d.data);
+    hi_ = std::max(hi_, d.end());
+  }
+  py::object overlap = find_overlap(spans, no_src, all);
+  if (!overlap.is_none()) {
+    if (!again) return overlap;
+    return fail("dst_alias", py::cast<size_t>(py::tuple(overlap)[1]), 2);
+  }
+  return py::none();
+}
+
 bool Plan::src_fits(const TensorMeta& m, const Slot& s) const {
-  if (m.dtype < 0 || !m.contiguous || m.device_type != device_type_ ||
+  if (m.dtype < 0 || !m.contiguous || m.neg || m.device_type != device_type_ ||
       m.device_index != device_index_ || m.ndim != s.ndim || (m.numel > 0 && m.data == 0))
     return false;
   return std::equal(m.sizes, m.sizes + m.ndim, sizes_.begin() + static_cast<ptrdiff_t>(s.sizes_at));
@@ -92,6 +122,23 @@ py::object Plan::check_overlaps(const std::vector<int32_t>& order,
 }
 
 py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) {
+  if (slots_.empty() && PyList_GET_SIZE(dst_.ptr()) > 0) {  // a refresh failed: try again
+    py::object failed = capture(true);
+    if (!failed.is_none()) return failed;
+  }
+  bool moved = false;
+  py::object result = run_once(keys, src_seq, o, moved);
+  if (!moved) return result;
+  // A dst's memory moved since the plan read it (share_memory_, a storage resized or swapped):
+  // read every dst again, then launch on the new addresses, or refuse with nothing written.
+  py::object failed = capture(true);
+  if (!failed.is_none()) return failed;
+  result = run_once(keys, src_seq, o, moved);
+  return moved ? failure("plan_stale", 0, 1) : result;
+}
+
+py::object Plan::run_once(py::handle keys, py::handle src_seq, const CallOptions& o, bool& moved) {
+  moved = false;
   if (!torch_api_ready()) return failure("slow");
   const Items src(src_seq);
   const auto n = static_cast<size_t>(src.size());
@@ -107,6 +154,18 @@ py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) 
     key_items = std::make_unique<Items>(keys);
     if (static_cast<size_t>(key_items->size()) != n)
       throw std::invalid_argument("Plan.run: keys and src differ in length");
+  }
+  // Writes go to the addresses read when the plan was built: only if the memory is still there.
+  // With an owner (every dst a view of it, sharing its storage), one look at the owner's address
+  // covers them all; without one, each launched dst is looked at below (one shim call each).
+  const bool owned = !owner_.is_none();
+  uintptr_t now = 0;
+  if (owned) {
+    if (!read_data_ptr(owner_.ptr(), now)) return failure("slow");
+    if (now != owner_data_) {
+      moved = true;
+      return py::none();
+    }
   }
   if (++launch_ == 0) {  // the stamp counter wrapped: forget every stamp
     std::fill(stamp_.begin(), stamp_.end(), 0);
@@ -137,6 +196,13 @@ py::object Plan::run(py::handle keys, py::handle src_seq, const CallOptions& o) 
     TensorMeta& x = metas[k];
     if (!read_meta(src[static_cast<Py_ssize_t>(k)], x)) return failure("slow");
     const Slot& slot = slots_[su];
+    if (!owned) {
+      if (!read_data_ptr(PyList_GET_ITEM(dst_.ptr(), s), now)) return failure("slow");
+      if (now != slot.data) {
+        moved = true;
+        return py::none();
+      }
+    }
     if (!src_fits(x, slot)) return failure("pair", static_cast<int64_t>(k));
     if (slot.numel > 0)
       pairs.push_back({reinterpret_cast<float*>(slot.data), reinterpret_cast<const void*>(x.data),

@@ -143,7 +143,7 @@ const char* read_scalar(py::handle t, const char* name, const Device& dev, Tenso
   present = !t.is_none();
   if (!present) return nullptr;
   if (!read_meta(t.ptr(), m)) return "slow";
-  if (m.dtype != kFloat32 || m.numel != 1 || !dev.holds(m) || m.data == 0) return name;
+  if (m.dtype != kFloat32 || m.numel != 1 || !dev.holds(m) || m.data == 0 || m.neg) return name;
   return nullptr;
 }
 }  // namespace
@@ -233,7 +233,7 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!read_meta(dst[i], d) || !read_meta(src[i], x)) return failure("slow");
     if (d.dtype != kFloat32 || x.dtype < 0 || !same_sizes(d, x) || !dev.holds(d) ||
-        !dev.holds(x) || !d.contiguous || !x.contiguous ||
+        !dev.holds(x) || !d.contiguous || !x.contiguous || d.neg || x.neg ||
         (d.numel > 0 && (d.data == 0 || x.data == 0)))
       return failure("pair", i);
     if (d.numel == 0) continue;

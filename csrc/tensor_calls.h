@@ -52,6 +52,9 @@ py::object accumulate_tensors(py::handle dst, py::handle src, const CallOptions&
 // reads only the src side. `keys` (e.g. the params owning each dst) let a launch name a subset
 // of the dst, in any order; `owner`, if given, is a tensor whose version counter every dst
 // shares (a flat buffer the dst are views of): a launch then bumps it once instead of each dst.
+// Each launch first checks that the dst memory has not moved (the owner's address, else each
+// launched dst's); if it has (share_memory_, a storage resized or swapped), the plan reads
+// every dst again and launches on the new addresses, or refuses ("plan_stale", i, why).
 class Plan {
  public:
   // Returns a Plan, or (code, i, j) if the dst list breaks a rule (codes as above).
@@ -69,6 +72,8 @@ class Plan {
     int64_t ndim;
   };
   Plan() = default;
+  py::object capture(bool again);
+  py::object run_once(py::handle keys, py::handle src, const CallOptions& opt, bool& moved);
   bool src_fits(const TensorMeta& m, const Slot& s) const;
   py::object check_overlaps(const std::vector<int32_t>& order, const std::vector<TensorMeta>& src,
                             const TensorMeta* scale, const TensorMeta* found_inf) const;
@@ -83,6 +88,7 @@ class Plan {
   std::vector<int32_t> pos_;     // ... and at which position of that launch
   uint32_t launch_ = 0;
   uintptr_t lo_ = 0, hi_ = 0;  // every dst lies in [lo_, hi_)
+  uintptr_t owner_data_ = 0;   // the owner's address when the dst were read
   int32_t device_type_ = -1, device_index_ = -1;
   bool inference_ = false;
 };

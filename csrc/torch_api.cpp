@@ -12,6 +12,9 @@
 #include <dlfcn.h>
 #define ACCUMKERNELS_HAVE_DLOPEN 1
 #endif
+#if defined(__GLIBC__)
+#include <malloc.h>  // malloc_usable_size: bounds the key-set scan to the TensorImpl's block
+#endif
 
 namespace accumkernels {
 namespace {
@@ -41,6 +44,8 @@ PyTypeObject* g_tensor_type = nullptr;     // torch.Tensor
 PyTypeObject* g_parameter_type = nullptr;  // torch.nn.Parameter
 PyObject* g_cdata = nullptr;               // the `_cdata` getter of torch.Tensor
 Py_ssize_t g_impl_offset = 0;              // where the TensorImpl pointer sits (0: use g_cdata)
+Py_ssize_t g_keyset_offset = 0;  // where the TensorImpl's DispatchKeySet sits (0: unknown)
+uint64_t g_neg_mask = 0;         // its Negative bit
 
 // The TensorImpl of an exact torch.Tensor/Parameter `obj`, or nullptr (no Python error left set).
 void* tensor_impl(PyObject* obj) {
@@ -178,9 +183,73 @@ Py_ssize_t torch_api_find_impl_offset(PyObject* samples) {
   if (n >= 2 && candidates.size() == 1) g_impl_offset = candidates[0];
   return g_impl_offset;
 }
+Py_ssize_t torch_api_find_keyset_offset(PyObject* samples, PyObject* raw_keysets,
+                                        uint64_t neg_mask) {
+  g_keyset_offset = 0;
+  g_neg_mask = 0;
+#if defined(__GLIBC__)
+  if (!g_ready || neg_mask == 0) return 0;
+  PyObject* fast = PySequence_Fast(samples, "samples must be a sequence");
+  PyObject* keys = fast ? PySequence_Fast(raw_keysets, "raw_keysets must be a sequence") : nullptr;
+  if (keys == nullptr) {
+    Py_XDECREF(fast);
+    PyErr_Clear();
+    return 0;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  std::vector<Py_ssize_t> candidates;
+  for (Py_ssize_t i = 0; i < n && (i == 0 || !candidates.empty()); ++i) {
+    PyObject* obj = PySequence_Fast_GET_ITEM(fast, i);
+    PyTypeObject* type = Py_TYPE(obj);
+    void* impl = (type == g_tensor_type || type == g_parameter_type) ? tensor_impl(obj) : nullptr;
+    const uint64_t want = i < PySequence_Fast_GET_SIZE(keys)
+                              ? PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(keys, i))
+                              : 0;
+    if (impl == nullptr || PyErr_Occurred()) {
+      PyErr_Clear();
+      candidates.clear();
+      break;
+    }
+    const size_t size = std::min<size_t>(malloc_usable_size(impl), 4096);
+    std::vector<Py_ssize_t> found;
+    for (size_t off = sizeof(void*); off + sizeof(uint64_t) <= size; off += sizeof(uint64_t)) {
+      uint64_t word;
+      std::memcpy(&word, static_cast<const char*>(impl) + off, sizeof word);
+      const auto o = static_cast<Py_ssize_t>(off);
+      if (word == want &&
+          (i == 0 || std::find(candidates.begin(), candidates.end(), o) != candidates.end()))
+        found.push_back(o);
+    }
+    candidates.swap(found);
+  }
+  Py_DECREF(keys);
+  Py_DECREF(fast);
+  if (n >= 2 && candidates.size() == 1) {
+    g_keyset_offset = candidates[0];
+    g_neg_mask = neg_mask;
+  }
+#else
+  (void)samples, (void)raw_keysets, (void)neg_mask;
+#endif
+  return g_keyset_offset;
+}
+
 bool torch_api_ready() { return g_ready; }
 int32_t torch_device_type_cpu() { return g_shim.device_cpu; }
 int32_t torch_device_type_cuda() { return g_shim.device_cuda; }
+
+bool read_data_ptr(PyObject* obj, uintptr_t& data) {
+  if (!g_ready) return false;
+  PyTypeObject* type = Py_TYPE(obj);
+  if (type != g_tensor_type && type != g_parameter_type) return false;
+  void* impl = tensor_impl(obj);
+  if (impl == nullptr) return false;
+  void* slot = impl;
+  void* ptr = nullptr;
+  if (g_shim.get_data_ptr(&slot, &ptr) != 0) return false;
+  data = reinterpret_cast<uintptr_t>(ptr);
+  return true;
+}
 
 bool read_meta(PyObject* obj, TensorMeta& m) {
   if (!g_ready) return false;
@@ -204,6 +273,12 @@ bool read_meta(PyObject* obj, TensorMeta& m) {
     return false;
   m.sizes = sizes;
   m.data = reinterpret_cast<uintptr_t>(data);
+  m.neg = false;
+  if (g_keyset_offset > 0) {
+    uint64_t keys;
+    std::memcpy(&keys, static_cast<const char*>(impl) + g_keyset_offset, sizeof keys);
+    m.neg = (keys & g_neg_mask) != 0;
+  }
   m.dtype = dtype == s.dtype_code[kFloat32]    ? kFloat32
             : dtype == s.dtype_code[kBFloat16] ? kBFloat16
             : dtype == s.dtype_code[kFloat16]  ? kFloat16

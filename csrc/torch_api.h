@@ -28,6 +28,7 @@ struct TensorMeta {
   int32_t device_type;   // c10::DeviceType value (compare with torch_device_type_cpu(), ...)
   int32_t device_index;
   bool contiguous;
+  bool neg;              // the neg bit is set (e.g. x.conj().imag): memory holds -value
 
   int64_t elem_size() const { return dtype == 0 ? 4 : 2; }  // for the three supported dtypes
   uintptr_t end() const { return data + static_cast<uintptr_t>(numel * elem_size()); }
@@ -45,6 +46,15 @@ void torch_api_disable();
 // offset matches them all, reads the pointer there from then on (a load instead of a call).
 // Returns the offset used (0: none found, the getter stays in use).
 Py_ssize_t torch_api_find_impl_offset(PyObject* samples);
+
+// The neg bit lives in the TensorImpl's DispatchKeySet, which the C shim does not expose. This
+// finds where the key set sits in the TensorImpl: the one offset holding, in every sample,
+// that sample's key set (`raw_keysets`: torch._C._dispatch_keys(t).raw_repr() per sample), and
+// from then on read_meta reports `neg` as (key set & neg_mask) != 0. Returns the offset (0:
+// not found; then the reader must stay off, it cannot see the neg bit). Linux/glibc only: the
+// scan is bounded by the TensorImpl's allocation (malloc_usable_size).
+Py_ssize_t torch_api_find_keyset_offset(PyObject* samples, PyObject* raw_keysets,
+                                        uint64_t neg_mask);
 bool torch_api_ready();
 int32_t torch_device_type_cpu();
 int32_t torch_device_type_cuda();
@@ -54,6 +64,10 @@ int32_t torch_device_type_cuda();
 // (sparse, mkldnn, nested tensors ...): the caller then takes the Python path, which names the
 // problem. Never leaves a Python error set.
 bool read_meta(PyObject* obj, TensorMeta& m);
+
+// Only the data address of an exact torch.Tensor/Parameter (one shim call): what a LaunchPlan
+// compares with the address it captured, at every launch. False when it cannot be read.
+bool read_data_ptr(PyObject* obj, uintptr_t& data);
 
 // Whether two tensors have the same sizes.
 inline bool same_sizes(const TensorMeta& a, const TensorMeta& b) {

@@ -89,10 +89,12 @@ def _self_test() -> str | None:
                torch.nn.Parameter(base.clone()), torch.empty(0, 3), torch.tensor(1.5)]
     codes = DTYPE_CODES
     devices = set()
+    samples += [torch._neg_view(base), torch.tensor([1 + 2j]).conj().imag, base.t()[1:].detach()]
     for t in samples:
         meta = _C.tensor_meta(t)
-        want = (t.data_ptr(), tuple(t.shape), t.numel(), codes.get(t.dtype, -1), t.is_contiguous())
-        if meta is None or (meta[0], tuple(meta[1]), meta[2], meta[3], meta[6]) != want \
+        want = (t.data_ptr(), tuple(t.shape), t.numel(), codes.get(t.dtype, -1), t.is_contiguous(),
+                t.is_neg())
+        if meta is None or (meta[0], tuple(meta[1]), meta[2], meta[3], meta[6], meta[7]) != want \
                 or meta[5] != -1:
             return f"reader saw {meta} for a tensor with {want}"
         devices.add(meta[4])
@@ -112,6 +114,25 @@ def _self_test() -> str | None:
     return None
 
 
+def _find_neg_bit() -> str | None:
+    """Teach the reader where a TensorImpl keeps its neg bit (the C shim cannot say); None if
+    found. Samples with different key sets (plain, neg, inference, requires_grad, conj,
+    Parameter) leave one offset that holds each one's own key set."""
+    keys = torch._C._dispatch_keys
+    plain = torch.zeros(3)
+    neg_bits = keys(torch._neg_view(plain)).raw_repr() & ~keys(plain).raw_repr()
+    if neg_bits == 0 or neg_bits & (neg_bits - 1):
+        return f"the neg bit is not one key-set bit ({neg_bits:#x})"
+    with torch.inference_mode():
+        inference = torch.ones(2)
+    samples = [plain, torch._neg_view(plain), inference, torch.ones(2, requires_grad=True),
+               torch.ones(2, dtype=torch.complex64).conj(), torch.nn.Parameter(torch.ones(3)),
+               torch.tensor([1 + 2j]).conj().imag, torch.empty(0, dtype=torch.float16)]
+    if not _C.find_keyset_offset(samples, [keys(t).raw_repr() for t in samples], neg_bits):
+        return "no TensorImpl offset holds the key set of every sample"
+    return None
+
+
 def _start_reader() -> tuple[bool, str]:
     if _C is None:
         return False, f"accumkernels._C is not built ({IMPORT_ERROR})"
@@ -125,7 +146,9 @@ def _start_reader() -> tuple[bool, str]:
             base = torch.zeros(4)
             _C.find_impl_offset([base, base[1:], torch.ones(2, 3).t(), torch.nn.Parameter(base),
                                  torch.empty(0, dtype=torch.bfloat16), torch.tensor(1.0)])
-            problem = _self_test()
+            problem = _find_neg_bit()
+            if problem is None:
+                problem = _self_test()
             if problem is None:
                 return True, f"torch C shim in {path}"
             _C.disable_torch_api()

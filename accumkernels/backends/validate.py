@@ -21,6 +21,16 @@ _LEAF = "a leaf Variable that requires grad is being used in an in-place operati
 _VIEW_OF_LEAF = ("a view of a leaf Variable that requires grad is being used in an in-place "
                  "operation.")
 _INFERENCE = "Inplace update to inference tensor outside InferenceMode is not allowed."
+_NEG = ("is a negative view (its neg bit is set, e.g. x.conj().imag): its memory holds minus "
+        "its values, which accumulate_ does not read or write; call .resolve_neg() first")
+_DISABLED_DISPATCH = torch._C._disabled_torch_dispatch_impl
+_is_compiling = torch.compiler.is_compiling
+
+
+def _neg(t: torch.Tensor) -> bool:
+    """Whether ``t`` has the neg bit. Not asked while dynamo traces (is_neg() would break the
+    graph): the compiled op's real kernel checks the real tensors at run time."""
+    return not _is_compiling() and t.is_neg()
 
 
 def fail(kind: type[Exception], message: str) -> None:
@@ -42,6 +52,8 @@ def _pairs_ok(dst: list, src: list, device: torch.device) -> bool:
         and all(d.shape == x.shape for d, x in zip(dst, src))
         and all(d.device == device for d in dst) and all(x.device == device for x in src)
         and all(d.is_contiguous() for d in dst) and all(x.is_contiguous() for x in src)
+        and (_is_compiling() or not (any(d.is_neg() for d in dst)
+                                     or any(x.is_neg() for x in src)))
     )
 
 
@@ -77,6 +89,10 @@ def check_pair(i: int, d: object, x: object, device: torch.device | None) -> Non
         fail(ValueError, f"dst[{i}] is not contiguous")
     if not x.is_contiguous():
         fail(ValueError, f"src[{i}] is not contiguous")
+    if _neg(d):
+        fail(ValueError, f"dst[{i}] {_NEG}")
+    if _neg(x):
+        fail(ValueError, f"src[{i}] {_NEG}")
 
 
 def check_dst(i: int, d: object, device: torch.device | None) -> None:
@@ -89,6 +105,20 @@ def check_dst(i: int, d: object, device: torch.device | None) -> None:
              "all tensors of one call must be on one device")
     if not d.is_contiguous():
         fail(ValueError, f"dst[{i}] is not contiguous")
+    if _neg(d):
+        fail(ValueError, f"dst[{i}] {_NEG}")
+
+
+def check_plain(name: str, t: object) -> None:
+    """Refuse a tensor subclass whose memory is not its values (``__torch_dispatch__``: DTensor,
+    wrapper subclasses): the kernels read and write memory. Real tensors only (FakeTensors,
+    while tracing, are such subclasses too)."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not isinstance(t, torch.Tensor):
+        return
+    if type(t).__torch_dispatch__ is not _DISABLED_DISPATCH:
+        hint = " (for a DTensor pass .to_local())" if type(t).__name__ == "DTensor" else ""
+        fail(TypeError, f"{name} is a {type(t).__name__}, a tensor subclass with its own "
+             f"__torch_dispatch__, which accumulate_ does not support: pass plain tensors{hint}")
 
 
 def check_scalar(name: str, t: torch.Tensor | None, device: torch.device) -> None:
@@ -100,6 +130,8 @@ def check_scalar(name: str, t: torch.Tensor | None, device: torch.device) -> Non
              f"{t.numel()} elements")
     if t.device != device:
         fail(ValueError, f"{name} is on {t.device} but the tensors are on {device}")
+    if _neg(t):
+        fail(ValueError, f"{name} {_NEG}")
 
 
 def check_shapes(dst: list, src: list, scale: torch.Tensor | None,
@@ -178,6 +210,11 @@ def find_unwritable(dst: list, found_inf: torch.Tensor | None, flags: int) -> tu
 def check_all(dst: list, src: list, scale: torch.Tensor | None, found_inf: torch.Tensor | None,
               flags: int) -> None:
     """Every rule, on real tensors: the portable path's whole check."""
+    for name, tensors in (("dst", dst), ("src", src)):
+        for i, t in enumerate(tensors):
+            check_plain(f"{name}[{i}]", t)
+    check_plain("scale", scale)
+    check_plain("found_inf", found_inf)
     check_shapes(dst, src, scale, found_inf)
     for found in (find_overlap(dst, src, scale, found_inf), find_unwritable(dst, found_inf, flags)):
         if found is not None:
