@@ -107,6 +107,41 @@ def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> str | None
     return None
 
 
+# -- the checks every framework shares ------------------------------------------------------------
+def check_fp32(res: dict, what: str, resumed_norms: slice = slice(None)) -> None:
+    """The one line against the same script without it (fp32): clipping bit on every window,
+    the short last window stepped, logged norms and parameters identical; the run resumed from
+    the checkpoint at a window boundary ends identical too."""
+    native, ours, resumed = res["native"], res["oneline"], res["resumed"]
+    assert ours["wrapped"] == resumed["wrapped"] == "AccumulatingOptimizer", what
+    assert native["wrapped"] != "AccumulatingOptimizer", what
+    assert len(native["norms"]) == STEPS, f"{what}: {len(native['norms'])} windows"
+    assert all(n > CLIP for n in native["norms"]), f"{what}: clip idle {native['norms']}"
+    assert ours["norms"] == native["norms"], f"{what}: grad norms differ"
+    assert resumed["norms"] == native["norms"][resumed_norms], f"{what}: resumed grad norms"
+    start = snapshot(tiny_gpt2())
+    assert distance(native["params"], start) > 1e-2, f"{what}: native did not train"
+    for name, run in (("one line", ours), ("resumed", resumed)):
+        diff = first_difference(run["params"], native["params"])
+        assert diff is None, f"{what}, {name} vs native: {diff}"
+
+
+def check_bf16(res: dict, what: str) -> tuple[float, float]:
+    """bf16 model: the one line ends closer to the float64 run than native bf16 does."""
+    reference = res["f64_native"]["params"]
+    ours = distance(res["bf16_oneline"]["params"], reference)
+    native = distance(res["bf16_native"]["params"], reference)
+    assert all(p.dtype == torch.bfloat16 for p in res["bf16_oneline"]["params"]), what
+    assert ours < native, f"{what}: distance to float64 {ours:.3g} (one line) >= {native:.3g}"
+    return ours, native
+
+
+def check_ranks_agree(results: list[dict], key: str, what: str) -> None:
+    for rank, r in enumerate(results[1:], start=1):
+        diff = first_difference(r[key]["params"], results[0][key]["params"])
+        assert diff is None, f"{what}: rank {rank} differs from rank 0: {diff}"
+
+
 # -- the launcher ---------------------------------------------------------------------------------
 def _rank_main(rank: int, out_dir: str, scenario: str, kwargs: dict) -> None:
     """One rank: a gloo group from a FileStore in the test's own directory (no port to race

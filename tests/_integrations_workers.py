@@ -201,6 +201,60 @@ def train_accelerate(out: str, world: int, oneline: bool, dtype=torch.float32, *
     return result
 
 
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _untouched(model: torch.nn.Module, opt: torch.optim.Optimizer) -> bool:
+    """Nothing of accumkernels reached the model or the optimizer (no wrapper, no slot)."""
+    from accumkernels.slot import SLOT_ATTR
+
+    return (not hasattr(opt, "_accumkernels_wrapper")
+            and not any(hasattr(p, SLOT_ATTR) for p in model.parameters()))
+
+
+def _refused(call) -> str | None:
+    try:
+        call()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def accelerate_refusals(world: int) -> dict:
+    """On real DDP/FSDP1 modules (2 ranks): FSDP1 and a foreign DDP comm hook are refused by
+    ``AccumulatingAccelerator.prepare`` with nothing changed; our own hook already registered
+    is accepted (idempotent)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import accumkernels
+    from accumkernels.integrations.accelerate import AccumulatingAccelerator
+
+    _reset_accelerate()
+    accelerator = AccumulatingAccelerator(cpu=True)
+    out = {}
+    fsdp = FullyShardedDataParallel(_mlp(), device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR)
+    out["fsdp1"] = _refused(lambda: accelerator.prepare(opt, fsdp))
+    out["fsdp1_untouched"] = _untouched(fsdp, opt) and not accelerator._optimizers
+    foreign = DDP(_mlp())
+    foreign.register_comm_hook(None, allreduce_hook)
+    opt = torch.optim.AdamW(foreign.parameters(), lr=LR)
+    out["foreign_hook"] = _refused(lambda: accelerator.prepare(opt, foreign))
+    out["foreign_untouched"] = _untouched(foreign, opt) and not accelerator._optimizers
+    ours = DDP(_mlp())
+    ours.register_comm_hook(ours.process_group, accumkernels.ddp_comm_hook)
+    opt = torch.optim.AdamW(ours.parameters(), lr=LR)
+    model, opt = accelerator.prepare(ours, opt)
+    out["own_hook_accepted"] = [h.__name__ for h, _ in model._comm_hooks]
+    out["own_hook_wrapped"] = type(opt.optimizer).__name__
+    _barrier(world)
+    return out
+
+
 def scenario_accelerate(work: str, world: int) -> dict:
     state = os.path.join(work, "state")
     res = {"native": train_accelerate(work, world, False),
@@ -208,6 +262,8 @@ def scenario_accelerate(work: str, world: int) -> dict:
            "resumed": train_accelerate(work, world, True, resume=state)}
     res.update(_dtype_runs(lambda out, oneline, dtype: train_accelerate(
         out, world, oneline, dtype, lr=BF16_LR), work))
+    if world > 1:
+        res["refusals"] = accelerate_refusals(world)
     return res
 
 
@@ -266,6 +322,40 @@ def train_lightning(out: str, world: int, oneline: bool, dtype=torch.float32, *,
     return result
 
 
+def lightning_foreign_hook(work: str, world: int) -> dict:
+    """A DDP comm hook registered on Lightning's DDP module (in ``configure_optimizers``, after
+    the strategy built it): ``FP32Accumulation`` refuses it before wrapping anything."""
+    import lightning as L
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from accumkernels.integrations.lightning import FP32Accumulation
+
+    class Hooked(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+            self.opt = None
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch).square().mean()
+
+        def configure_optimizers(self):
+            self.trainer.strategy.model.register_comm_hook(None, allreduce_hook)
+            self.opt = torch.optim.AdamW(self.parameters(), lr=LR)
+            return self.opt
+
+    module = Hooked()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_epochs=1,
+                        callbacks=[FP32Accumulation()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=work)
+    data = torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=2)
+    error = _refused(lambda: trainer.fit(module, data))
+    result = {"error": error, "untouched": _untouched(module.net, module.opt)}
+    _barrier(world)
+    return result
+
+
 def scenario_lightning(work: str, world: int) -> dict:
     ckpt = os.path.join(work, "epoch1.ckpt")
     res = {"native": train_lightning(work, world, False),
@@ -274,6 +364,8 @@ def scenario_lightning(work: str, world: int) -> dict:
     res["oneline"] = train_lightning(work, world, True)
     res.update(_dtype_runs(lambda out, oneline, dtype: train_lightning(
         out, world, oneline, dtype, lr=BF16_LR), work))
+    if world > 1:
+        res["foreign_hook"] = lightning_foreign_hook(work, world)
     return res
 
 

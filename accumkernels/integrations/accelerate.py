@@ -112,6 +112,20 @@ def _build_class() -> type:
             self.accumkernels_options = options
             _refuse_engines(self)
 
+        def prepare(self, *args, device_placement=None):
+            """Accelerate's ``prepare``, after every object is checked (nothing is wrapped
+            when one of them is refused, whatever the order of the arguments)."""
+            for obj in args:
+                if isinstance(obj, torch.nn.Module):
+                    common.refuse_foreign_engines(list(obj.parameters()), obj)
+                    ddp = common.find_ddp(obj)
+                    if ddp is not None:
+                        common.check_ddp_hook(ddp)
+                elif isinstance(obj, torch.optim.Optimizer) and common.inner_wrapper(obj) is None:
+                    common.refuse_foreign_engines(
+                        [p for g in obj.param_groups for p in g["params"]], optimizer=obj)
+            return super().prepare(*args, device_placement=device_placement)
+
         def prepare_model(self, model: torch.nn.Module, device_placement=None,
                           evaluation_mode: bool = False):
             """Accelerate's ``prepare_model``; a DDP module it builds gets the comm hook."""
