@@ -84,8 +84,8 @@ class Poisoned(torch.nn.Module):
         self.gpt = tiny_gpt2()
         self.calls = 0
 
-    def forward(self, **batch):
-        loss = self.gpt(**batch).loss
+    def forward(self, input_ids, labels, **kwargs):
+        loss = self.gpt(input_ids=input_ids, labels=labels, **kwargs).loss
         self.calls += 1
         return {"loss": loss * float("inf") if self.calls == 6 else loss}
 

@@ -35,28 +35,38 @@ from accumkernels._engines import foreign_engine_error
 __all__ = ["AccumulatingAccelerator", "make_skips_visible"]
 
 
+class _SkipTracker:
+    """Step hooks on the wrapper (torch's ``register_step_pre_hook``/``post_hook``): whether
+    its last ``step()`` dropped the window (``skipped_steps`` went up)."""
+
+    def __init__(self, wrapper):
+        self.before = 0
+        self.skipped = False
+        wrapper.register_step_pre_hook(self._pre)
+        wrapper.register_step_post_hook(self._post)
+
+    def _pre(self, wrapper, args, kwargs) -> None:
+        self.before = wrapper.skipped_steps
+
+    def _post(self, wrapper, args, kwargs) -> None:
+        self.skipped = wrapper.skipped_steps != self.before
+
+
 @functools.cache
 def _skip_aware_class() -> type:
     from accelerate.optimizer import AcceleratedOptimizer
 
     class SkipAwareAcceleratedOptimizer(AcceleratedOptimizer):
         """An AcceleratedOptimizer whose ``step_was_skipped`` also reports a window the
-        AccumulatingOptimizer inside it dropped (its ``skipped_steps`` went up in ``step()``)."""
+        AccumulatingOptimizer inside it dropped."""
 
-        _accumkernels_skipped = False
-
-        def step(self, closure=None):
-            wrapper = common.inner_wrapper(self.optimizer)
-            before = wrapper.skipped_steps if wrapper is not None else 0
-            result = super().step(closure)
-            after = wrapper.skipped_steps if wrapper is not None else 0
-            self._accumkernels_skipped = after != before
-            return result
+        _accumkernels_tracker: _SkipTracker | None = None
 
         @property
         def step_was_skipped(self) -> bool:
             """Whether the last step was skipped: GradScaler overflow or a dropped window."""
-            return bool(self._is_overflow or self._accumkernels_skipped)
+            tracker = self._accumkernels_tracker
+            return bool(self._is_overflow or (tracker is not None and tracker.skipped))
 
     return common.module_level(SkipAwareAcceleratedOptimizer, __name__)
 
@@ -66,17 +76,23 @@ def make_skips_visible(prepared: object) -> None:
     see a window the wrapper skipped, as it sees a GradScaler skip.
 
     ``Accelerator.prepare_optimizer`` always builds a plain ``AcceleratedOptimizer``; the
-    prepared object is given a subclass that adds only the check, in place, so every reference
-    Accelerate and the Trainer already hold (``accelerator._optimizers``, schedulers) sees it.
+    prepared object is given a subclass that only changes the ``step_was_skipped`` property,
+    in place, so every reference Accelerate, the Trainer and LR schedulers already hold (a
+    scheduler may have patched ``step`` on the instance) sees it.
     """
     from accelerate.optimizer import AcceleratedOptimizer
 
     cls = _skip_aware_class()
-    if type(prepared) is AcceleratedOptimizer:
-        prepared.__class__ = cls
-    elif not isinstance(prepared, cls):
+    if isinstance(prepared, cls):
+        return
+    if type(prepared) is not AcceleratedOptimizer:
         raise TypeError(f"accumkernels: cannot report skipped windows through "
                         f"{type(prepared).__name__} (expected Accelerate's AcceleratedOptimizer)")
+    wrapper = common.inner_wrapper(prepared)
+    if wrapper is None:
+        raise TypeError("accumkernels: this prepared optimizer holds no AccumulatingOptimizer")
+    prepared._accumkernels_tracker = _SkipTracker(wrapper)
+    prepared.__class__ = cls
 
 
 def _refuse_engines(accelerator) -> None:
