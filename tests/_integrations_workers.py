@@ -129,15 +129,16 @@ def trainer_conditional(work: str, world: int) -> dict:
     return out
 
 
-def scenario_trainer(work: str, world: int, conditional: bool = False) -> dict:
+def scenario_trainer(work: str, world: int, conditional: bool = False, bf16: bool = True) -> dict:
     """fp32 native / one line / one line resumed at step RESUME_AT; the bf16 trio; item 2."""
     res = {"native": train_trainer(os.path.join(work, "native"), world, False),
            "oneline": train_trainer(os.path.join(work, "oneline"), world, True,
                                     save_steps=RESUME_AT)}
     checkpoint = os.path.join(work, "oneline", f"checkpoint-{RESUME_AT}")
     res["resumed"] = train_trainer(os.path.join(work, "resumed"), world, True, resume=checkpoint)
-    res.update(_dtype_runs(lambda out, oneline, dtype: train_trainer(
-        out, world, oneline, dtype, lr=BF16_LR), work))
+    if bf16:
+        res.update(_dtype_runs(lambda out, oneline, dtype: train_trainer(
+            out, world, oneline, dtype, lr=BF16_LR), work))
     if conditional:  # last: a failure inside DDP's backward may leave its reducer unusable
         res["conditional"] = trainer_conditional(work, world)
     return res
@@ -255,13 +256,14 @@ def accelerate_refusals(world: int) -> dict:
     return out
 
 
-def scenario_accelerate(work: str, world: int) -> dict:
+def scenario_accelerate(work: str, world: int, bf16: bool = True) -> dict:
     state = os.path.join(work, "state")
     res = {"native": train_accelerate(work, world, False),
            "oneline": train_accelerate(state, world, True, save_at=RESUME_AT),
            "resumed": train_accelerate(work, world, True, resume=state)}
-    res.update(_dtype_runs(lambda out, oneline, dtype: train_accelerate(
-        out, world, oneline, dtype, lr=BF16_LR), work))
+    if bf16:
+        res.update(_dtype_runs(lambda out, oneline, dtype: train_accelerate(
+            out, world, oneline, dtype, lr=BF16_LR), work))
     if world > 1:
         res["refusals"] = accelerate_refusals(world)
     return res
@@ -356,14 +358,15 @@ def lightning_foreign_hook(work: str, world: int) -> dict:
     return result
 
 
-def scenario_lightning(work: str, world: int) -> dict:
+def scenario_lightning(work: str, world: int, bf16: bool = True) -> dict:
     ckpt = os.path.join(work, "epoch1.ckpt")
     res = {"native": train_lightning(work, world, False),
            "first_epoch": train_lightning(work, world, True, epochs=1, save=ckpt)}
     res["resumed"] = train_lightning(work, world, True, resume=ckpt)
     res["oneline"] = train_lightning(work, world, True)
-    res.update(_dtype_runs(lambda out, oneline, dtype: train_lightning(
-        out, world, oneline, dtype, lr=BF16_LR), work))
+    if bf16:
+        res.update(_dtype_runs(lambda out, oneline, dtype: train_lightning(
+            out, world, oneline, dtype, lr=BF16_LR), work))
     if world > 1:
         res["foreign_hook"] = lightning_foreign_hook(work, world)
     return res

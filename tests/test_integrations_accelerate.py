@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    return workers.scenario_accelerate(str(tmp_path_factory.mktemp("accelerate1")), 1)
+    return workers.scenario_accelerate(str(tmp_path_factory.mktemp("accelerate1")), 1, bf16=False)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,10 @@ def test_two_ranks_equal_native_ddp(two_ranks):
     check_ranks_agree(two_ranks, "oneline", "Accelerate")
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_bf16_closer_to_float64(one_process, two_ranks, ranks):
-    res = one_process if ranks == 1 else two_ranks[0]
-    check_bf16(res, f"Accelerate bf16, {ranks} process(es)")
+def test_bf16_closer_to_float64(two_ranks):
+    """bf16 on 2 ranks (the DDP path: DDP reduces the fp32 window, not bf16 buckets)."""
+    for rank, res in enumerate(two_ranks):
+        check_bf16(res, f"rank {rank}: Accelerate bf16")
 
 
 def test_fsdp1_and_foreign_hooks_are_refused_on_real_modules(two_ranks):

@@ -1,4 +1,5 @@
-"""HF Trainer: ``AccumulatingTrainer`` instead of ``Trainer`` (accumkernels.integrations.transformers).
+"""HF Trainer: ``AccumulatingTrainer`` instead of ``Trainer``
+(accumkernels.integrations.transformers).
 
 The Trainer script (tests/_integrations_workers.train_trainer) uses the Trainer's defaults
 (AdamW, linear schedule, Accelerate-built DDP with ``find_unused_parameters=True``) with
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    return workers.scenario_trainer(str(tmp_path_factory.mktemp("trainer1")), 1)
+    return workers.scenario_trainer(str(tmp_path_factory.mktemp("trainer1")), 1, bf16=False)
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +54,10 @@ def test_two_ranks_equal_native_ddp(two_ranks):
     check_ranks_agree(two_ranks, "oneline", "Trainer")
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_bf16_closer_to_float64(one_process, two_ranks, ranks):
-    res = one_process if ranks == 1 else two_ranks[0]
-    check_bf16(res, f"Trainer bf16, {ranks} process(es)")
+def test_bf16_closer_to_float64(two_ranks):
+    """bf16 on 2 ranks (the DDP path: DDP reduces the fp32 window, not bf16 buckets)."""
+    for rank, res in enumerate(two_ranks):
+        check_bf16(res, f"rank {rank}: Trainer bf16")
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
