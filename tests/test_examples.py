@@ -36,7 +36,8 @@ def top_level_imports(path: Path) -> set[str]:
 
 
 def test_examples_exist():
-    expected = {"plain_loop.py", "accelerate_loop.py", "hf_trainer.py", "lightning_module.py"}
+    expected = {"plain_loop.py", "accelerate_loop.py", "hf_trainer.py", "lightning_module.py",
+                "hf_trainer_oneline.py", "accelerate_oneline.py", "lightning_oneline.py"}
     assert expected <= {p.name for p in EXAMPLES}
 
 
