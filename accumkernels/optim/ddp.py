@@ -70,6 +70,9 @@ def ddp_comm_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
 
 def register(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
     """Register :func:`ddp_comm_hook` on ``ddp`` (for ``AccumulatingOptimizer(model=ddp)``)."""
+    hooked = getattr(ddp, "_comm_hooks", None) or []  # read only: DDP keeps (hook, state)
+    if any(getattr(h, "__wrapped__", h) is ddp_comm_hook for h, *_ in hooked):
+        return  # already ours (an integration registered it): nothing to do
     try:
         ddp.register_comm_hook(ddp.process_group, ddp_comm_hook)
     except RuntimeError as exc:

@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from accumkernels import backends
+from accumkernels._engines import refuse_foreign_engines
 from accumkernels._util import LOW_PRECISION, finite_positive
 from accumkernels.buffer import Bucket, MasterGradBuffer
 from accumkernels.checks import check_model
@@ -115,6 +116,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
         params = [p for g in optimizer.param_groups for p in g["params"]
                   if p.requires_grad and p.dtype in _WINDOW_DTYPES]
+        refuse_foreign_engines(params, model=model, optimizer=optimizer)  # DeepSpeed, FSDP1
         refuse_sharded(params)  # FSDP2 (DTensor params): refused before any state is built
         # torch.optim.Optimizer.__init__ would build its own param_groups and patch step() to
         # run hooks on every call; the wrapper shares the inner optimizer's groups and runs the
