@@ -20,13 +20,11 @@ must end closer to the reference than native bf16 does.
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
 import os
-import time
-import traceback
 
 import torch
+
+from _spawn import run_scenario, spawn_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -144,35 +142,15 @@ def check_ranks_agree(results: list[dict], key: str, what: str) -> None:
 
 # -- the launcher ---------------------------------------------------------------------------------
 def _rank_main(rank: int, out_dir: str, scenario: str, kwargs: dict) -> None:
-    """One rank: a gloo group from a FileStore in the test's own directory (no port to race
-    for), the scenario, its result written before teardown, a barrier, then ``os._exit``
-    (gloo's threads can abort in C++ static destructors at a normal exit)."""
+    """One rank of ``run_ranks`` (tests/_spawn.run_scenario), with torchrun's environment."""
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
                       NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     torch.set_num_threads(1)  # 2 ranks on a 2-core machine
     import _integrations_workers
 
-    import torch.distributed as dist
-
-    result: dict = {"error": None}
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
-                                world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-        result["result"] = _integrations_workers.SCENARIOS[scenario](
-            os.path.join(out_dir, "work"), WORLD, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    torch.save(result, path + ".tmp")
-    os.replace(path + ".tmp", path)  # the parent never reads a half-written file
-    try:
-        if dist.is_initialized():
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-            dist.destroy_process_group()
-    finally:
-        os._exit(0)
+    run_scenario(rank, out_dir, WORLD, lambda: _integrations_workers.SCENARIOS[scenario](
+        os.path.join(out_dir, "work"), WORLD, **kwargs))
 
 
 def run_ranks(tmp_path, scenario: str, timeout: float = 150.0, **kwargs) -> list[dict]:
@@ -181,34 +159,5 @@ def run_ranks(tmp_path, scenario: str, timeout: float = 150.0, **kwargs) -> list
     AssertionError with the rank's traceback if a rank failed, TimeoutError if a rank wrote
     nothing within ``timeout`` seconds. Every process is gone when this returns.
     """
-    out_dir = str(tmp_path)
-    os.makedirs(os.path.join(out_dir, "work"), exist_ok=True)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(rank, out_dir, scenario, kwargs))
-             for rank in range(WORLD)]
-    paths = [os.path.join(out_dir, f"rank{rank}.pt") for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while not all(os.path.exists(path) for path in paths):
-            dead = [r for r, p in enumerate(procs)
-                    if not p.is_alive() and not os.path.exists(paths[r])]
-            if dead:
-                raise AssertionError(f"{scenario}: rank {dead[0]} died (exit code "
-                                     f"{procs[dead[0]].exitcode}) without a result")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{scenario}: no result from every rank within {timeout:g} s")
-            time.sleep(0.05)
-        for p in procs:  # results are in; teardown gets a grace period, then is cut short
-            p.join(max(1.0, deadline + 30 - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    results = [torch.load(path, weights_only=False) for path in paths]
-    for rank, r in enumerate(results):
-        if r["error"] is not None:
-            raise AssertionError(f"{scenario}: rank {rank} failed: {r['error']}\n{r['traceback']}")
-    return [r["result"] for r in results]
+    os.makedirs(os.path.join(str(tmp_path), "work"), exist_ok=True)
+    return spawn_ranks(_rank_main, str(tmp_path), scenario, kwargs, WORLD, timeout)

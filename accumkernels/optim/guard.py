@@ -56,11 +56,8 @@ class Guard:
             raise ValueError(f"{self._name(i)} got a {grad.layout} gradient (e.g. "
                              "nn.Embedding(sparse=True)); the fp32 window holds dense gradients "
                              "only: use sparse=False, or train without AccumulatingOptimizer")
-        g = p.grad
-        if g is None:
-            if self.shown and intake.is_touched(p):
-                self.cleared_outside()
-        elif g is intake.views[i] and g.data_ptr() != self.ptrs[i]:
+        g = p.grad  # (clears from outside are looked for once per backward, in Intake._begin)
+        if g is not None and g is intake.views[i] and g.data_ptr() != self.ptrs[i]:
             self.check_views()
 
     # -- whole (at the wrapper's calls) -----------------------------------------------------

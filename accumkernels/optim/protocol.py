@@ -9,6 +9,7 @@ optimizer's own patched step is called unwrapped, so global hooks do not run twi
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from itertools import chain
 
 import torch
@@ -21,8 +22,6 @@ _HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
 
 def init_hook_registries(opt) -> None:
     """The registries ``torch.optim.Optimizer.__init__`` would create."""
-    from collections import OrderedDict
-
     for name in _HOOK_REGISTRIES:
         setattr(opt, name, OrderedDict())
 
