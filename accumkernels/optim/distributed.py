@@ -12,7 +12,8 @@
 * Otherwise, in a job of more than one rank, a step on rank-local gradients would silently
   diverge: the first real step raises, naming ``process_group`` and ``model=``
   (``independent_ranks=True`` opts out, for ranks that deliberately train apart).
-* FSDP2 (``fully_shard``: DTensor params) is refused when the wrapper is built.
+* FSDP2 (``fully_shard``: DTensor params) has its own room, accumkernels.optim.fsdp2;
+  FSDP1 and DeepSpeed-managed params are refused when the wrapper is built.
 """
 
 from __future__ import annotations
@@ -31,21 +32,27 @@ def _world_size() -> int:
 
 
 def refuse_sharded(params: list[torch.Tensor]) -> None:
-    """FSDP2 / tensor-parallel params (DTensor) are not supported: say so before any state."""
+    """Params whose gradients another engine owns (FSDP1, DeepSpeed), or DTensors outside the
+    FSDP2 room: say so before any state (issue 22; FSDP2 itself: accumkernels.optim.fsdp2)."""
     if not dist.is_available():
         return
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return
+    from accumkernels.optim.fsdp2 import RECIPE, _dtensor_type
+
+    dtensor = _dtensor_type()
     for i, p in enumerate(params):
-        if isinstance(p, DTensor):
+        if type(p).__name__ == "FlatParameter" or hasattr(p, "_fqns"):
             raise ValueError(
-                f"AccumulatingOptimizer: param {i} is a DTensor (an FSDP2 fully_shard or tensor-"
-                "parallel model). Sharded params are not supported: FSDP2 reduce-scatters and "
-                "accumulates their gradients itself; for fp32 accumulation use "
-                "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) "
-                "and the plain optimizer.")
+                f"AccumulatingOptimizer: param {i} is an FSDP1 FlatParameter "
+                "(FullyShardedDataParallel owns its gradient path); FSDP2 is supported: "
+                f"{RECIPE}")
+        if hasattr(p, "ds_id") or hasattr(p, "ds_tensor"):
+            raise ValueError(
+                f"AccumulatingOptimizer: param {i} is managed by DeepSpeed ZeRO (it owns the "
+                f"gradient path); use DeepSpeed's own accumulation, or FSDP2: {RECIPE}")
+        if dtensor is not None and isinstance(p, dtensor):
+            raise ValueError(
+                f"AccumulatingOptimizer: param {i} is a DTensor; FSDP2 params are handled by "
+                f"AccumulatingOptimizer(optimizer, model=...) itself: {RECIPE}")
 
 
 class DataParallel:

@@ -89,6 +89,16 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
             train apart).
     """
 
+    _takes_dtensors = False  # FSDP2 (issue 22): True in accumkernels.optim.fsdp2's subclass
+
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        # FSDP2 (issue 22): DTensor params get their own room, accumkernels.optim.fsdp2
+        if cls is AccumulatingOptimizer:
+            from accumkernels.optim import fsdp2
+            if fsdp2.is_sharded(optimizer):
+                cls = fsdp2.ShardedAccumulatingOptimizer
+        return super().__new__(cls)
+
     def __init__(self, optimizer: torch.optim.Optimizer, *, accumulation_steps=None,
                  reduction="sum", master_weights="auto", accumulate_in_backward=True,
                  max_grad_norm=None, nonfinite="skip_step", loss_scale=None,
@@ -104,7 +114,8 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        refuse_sharded(params)  # FSDP2 (DTensor params): refused before any state is built
+        if not self._takes_dtensors:  # FSDP2 (issue 22): the fsdp2 room checks its own
+            refuse_sharded(params)  # FSDP1 / DeepSpeed / stray DTensor params: refused here
         # torch.optim.Optimizer.__init__ would build its own param_groups; the wrapper shares
         # the inner optimizer's and only sets up the hook registries the base class uses.
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
