@@ -80,16 +80,23 @@ def make_inner(model, kind: str):
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
+def weight(rank: int, i: int) -> float:
+    """The weight (sample count stand-in) rank ``rank`` reports for micro-batch ``i``."""
+    return float(MICRO * (1 + rank + i))
+
+
 def local_grads(model) -> list:
     return [None if p.grad is None else p.grad.to_local().detach().clone()
             for p in model.parameters()]
 
 
 def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", clip: str = "user",
-          reduction: str = "sum", weights: bool = False) -> dict:
+          reduction: str = "sum", weights: bool = False, unused: bool = True) -> dict:
     """Three windows of ACCUM micro-batches; ``nosync``: "" (sync every micro-batch), "grad"
     (set_requires_gradient_sync) or "allreduce" (HSDP set_requires_all_reduce); ``clip``:
-    "user" (clip_grad_norm_ before step) or "wrapper" (max_grad_norm)."""
+    "user" (clip_grad_norm_ before step) or "wrapper" (max_grad_norm); ``unused``: ``extra``
+    and ``gate`` sit out every other micro-batch (FSDP2's HSDP partial reduce cannot take that:
+    its running sum changes size)."""
     from accumkernels import AccumulatingOptimizer
 
     model = build(mesh_shape)
@@ -99,6 +106,11 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
         opt = AccumulatingOptimizer(opt, accumulation_steps=ACCUM, model=model,
                                     reduction=reduction,
                                     max_grad_norm=CLIP if clip == "wrapper" else None)
+    elif weights:  # native weighted: FSDP2 sums over ranks, the loop divides by the total
+        for module in model.modules():  # (the setters do not recurse)
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
     grads, norms = [], []
     for w in range(WINDOWS):
         for i in range(ACCUM):
@@ -108,12 +120,17 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
             elif nosync == "allreduce":
                 model.set_requires_all_reduce(last)
             x, y = micro_batch(rank, w, i)
-            loss = torch.nn.functional.mse_loss(model(x, use_extra=(w + i) % 2 == 0).float(), y,
+            loss = torch.nn.functional.mse_loss(model(x, use_extra=not unused or (w + i) % 2 == 0).float(), y,
                                                 reduction="sum" if weights else "mean")
             loss.backward()
             if wrap and weights:
-                opt.add_weight(float(MICRO * (1 + rank + i)))
+                opt.add_weight(weight(rank, i))
             grads.append(local_grads(model))
+        if not wrap and reduction != "sum":  # what the wrapper's reduction means, natively
+            total = sum(weight(r, i) for r in range(dist.get_world_size()) for i in range(ACCUM))
+            factor = 1.0 / (total if weights else ACCUM)
+            torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None],
+                                factor)
         if clip == "user":
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor())
         opt.step()
@@ -149,9 +166,73 @@ def live_bytes() -> int:
 def scenario_pair(world: int, **kwargs) -> dict:
     """Native and wrapped runs of one configuration on this rank."""
     mesh = (2, 2) if kwargs.pop("hsdp", False) else (world,)
-    native_kwargs = {k: v for k, v in kwargs.items() if k not in ("reduction", "weights")}
+    native_kwargs = {k: v for k, v in kwargs.items() if k != "clip"}
     return {"native": train(mesh, wrap=False, **native_kwargs),
             "ours": train(mesh, wrap=True, **kwargs)}
+
+
+def scenario_memory(world: int) -> dict:
+    """Live tensor bytes mid-window (2 of ACCUM micro-batches in), native vs wrapped."""
+    from accumkernels import AccumulatingOptimizer
+
+    out: dict = {}
+    for wrap in (False, True):
+        model = build((world,))
+        opt = make_inner(model, "adamw")
+        if wrap:
+            opt = AccumulatingOptimizer(opt, accumulation_steps=ACCUM, model=model)
+        for w in range(2):
+            for i in range(ACCUM if w == 0 else 2):
+                x, y = micro_batch(dist.get_rank(), w, i)
+                torch.nn.functional.mse_loss(model(x, use_extra=True).float(), y).backward()
+            if w == 0:
+                opt.step()
+                opt.zero_grad()
+        out["ours" if wrap else "native"] = live_bytes()
+        if wrap:
+            out["window_bytes"] = sum(b.untyped_storage().nbytes()
+                                      for b in opt._buffer.buffers.values())
+            out["local_numel"] = [p.to_local().numel() for p in model.parameters()]
+            out["numel"] = sum(p.numel() for p in model.parameters())
+            out["grad_storages"] = {p.grad.to_local().untyped_storage().data_ptr()
+                                    for p in model.parameters()}
+            out["window_storages"] = {b.untyped_storage().data_ptr()
+                                      for b in opt._buffer.buffers.values()}
+            opt.remove_hooks()
+        del model, opt
+        gc.collect()
+    return out
+
+
+def scenario_refusals(world: int) -> dict:
+    """What the wrapper refuses at construction, and that nothing was touched."""
+    from accumkernels import AccumulatingOptimizer
+
+    cases = {
+        "no_model": lambda m, o: AccumulatingOptimizer(o),
+        "skip_microbatch": lambda m, o: AccumulatingOptimizer(o, model=m,
+                                                              nonfinite="skip_microbatch"),
+        "process_group": lambda m, o: AccumulatingOptimizer(o, model=m,
+                                                            process_group=dist.group.WORLD),
+        "not_in_backward": lambda m, o: AccumulatingOptimizer(o, model=m,
+                                                              accumulate_in_backward=False),
+        "bf16": None,
+    }
+    out = {}
+    for name, make in cases.items():
+        model = build((world,), dtype=torch.bfloat16 if name == "bf16" else torch.float32)
+        opt = make_inner(model, "adamw")
+        try:
+            if make is None:
+                AccumulatingOptimizer(opt, model=model)
+            else:
+                make(model, opt)
+            out[name] = None
+        except (ValueError, TypeError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        out[name + "_hooks"] = sum(len(p._post_accumulate_grad_hooks or {})
+                                   for p in model.parameters())
+    return out
 
 
 # -- process management -------------------------------------------------------------------------
