@@ -120,7 +120,8 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
             elif nosync == "allreduce":
                 model.set_requires_all_reduce(last)
             x, y = micro_batch(rank, w, i)
-            loss = torch.nn.functional.mse_loss(model(x, use_extra=not unused or (w + i) % 2 == 0).float(), y,
+            pred = model(x, use_extra=not unused or (w + i) % 2 == 0).float()
+            loss = torch.nn.functional.mse_loss(pred, y,
                                                 reduction="sum" if weights else "mean")
             loss.backward()
             if wrap and weights:
@@ -141,7 +142,8 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
            "params": [p.detach().full_tensor().clone() for p in model.parameters()],
            "local_params": [p.detach().to_local().clone() for p in model.parameters()]}
     if wrap:
-        out["window_bytes"] = sum(b.untyped_storage().nbytes() for b in opt._buffer.buffers.values())
+        out["window_bytes"] = sum(b.untyped_storage().nbytes()
+                                  for b in opt._buffer.buffers.values())
         out["live_bytes"] = live_bytes()
         opt.remove_hooks()
     else:

@@ -73,7 +73,8 @@ def check_pair(result: dict, name: str, *, scale: float | None = None) -> None:
     native, ours = result["native"], result["ours"]
     assert len(ours["grads"]) == WINDOWS * ACCUM
     assert any(g is not None and g.numel() for gs in ours["grads"] for g in gs), name
-    assert any(g is None for gs in native["grads"] for g in gs), f"{name}: no None gradient (unused param, no-sync micro-batch)"
+    assert any(g is None for gs in native["grads"] for g in gs), \
+        f"{name}: no None gradient (unused param, no-sync micro-batch)"
     for k, (gn, go) in enumerate(zip(native["grads"], ours["grads"])):
         for i, (a, b) in enumerate(zip(go, gn)):
             what = f"{name}: micro-batch {k}, param {i}"
