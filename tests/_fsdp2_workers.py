@@ -91,12 +91,13 @@ def local_grads(model) -> list:
 
 
 def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", clip: str = "user",
-          reduction: str = "sum", weights: bool = False, unused: bool = True) -> dict:
+          reduction: str = "sum", weights: bool = False, unused: bool = True,
+          wire: bool = False) -> dict:
     """Three windows of ACCUM micro-batches; ``nosync``: "" (sync every micro-batch), "grad"
     (set_requires_gradient_sync) or "allreduce" (HSDP set_requires_all_reduce); ``clip``:
     "user" (clip_grad_norm_ before step) or "wrapper" (max_grad_norm); ``unused``: ``extra``
     and ``gate`` sit out every other micro-batch (FSDP2's HSDP partial reduce cannot take that:
-    its running sum changes size)."""
+    its running sum changes size); ``wire``: the opt-in bf16-wire reduce-scatter."""
     from accumkernels import AccumulatingOptimizer
 
     model = build(mesh_shape)
@@ -106,6 +107,9 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
         opt = AccumulatingOptimizer(opt, accumulation_steps=ACCUM, model=model,
                                     reduction=reduction,
                                     max_grad_norm=CLIP if clip == "wrapper" else None)
+        if wire:
+            from accumkernels.optim.fsdp2_wire import enable_bf16_reduce_scatter
+            comm = enable_bf16_reduce_scatter(model)
     elif weights:  # native weighted: FSDP2 sums over ranks, the loop divides by the total
         for module in model.modules():  # (the setters do not recurse)
             if hasattr(module, "set_gradient_divide_factor"):
@@ -141,6 +145,8 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
     out = {"grads": grads, "norms": norms,
            "params": [p.detach().full_tensor().clone() for p in model.parameters()],
            "local_params": [p.detach().to_local().clone() for p in model.parameters()]}
+    if wrap and wire:
+        out["wire"] = {"bytes": comm.bytes_sent, "fallbacks": comm.fp32_fallbacks}
     if wrap:
         out["window_bytes"] = sum(b.untyped_storage().nbytes()
                                   for b in opt._buffer.buffers.values())
@@ -235,6 +241,42 @@ def scenario_refusals(world: int) -> dict:
         out[name + "_hooks"] = sum(len(p._post_accumulate_grad_hooks or {})
                                    for p in model.parameters())
     return out
+
+
+def scenario_wire_bound(world: int) -> dict:
+    """The bf16-wire reduce-scatter alone vs gloo's fp32 one on bf16-exact random inputs:
+    elementwise |difference| / (2 (world-1) 2**-24 sum|g|) (must be <= 1), and the same ratio
+    for a bf16 running sum (the negative control, which the bound must reject)."""
+    from accumkernels.optim.fsdp2_wire import Bf16WireReduceScatter
+
+    n = 4097  # not a multiple of any vector width
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    values = torch.randn(world * n, generator=g) * torch.exp(3 * torch.randn(world * n,
+                                                                                generator=g))
+    grads = values.bfloat16().float()  # what FSDP2 copies in: bf16 values in fp32
+    comm = Bf16WireReduceScatter()
+    ours = torch.full((n,), float("nan"))
+    comm(ours, grads.clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+    fp32 = torch.full((n,), float("nan"))
+    dist.reduce_scatter_tensor(fp32, grads.clone(), op=dist.ReduceOp.SUM)
+    everyone = [torch.empty_like(grads) for _ in range(world)]
+    dist.all_gather(everyone, grads)
+    rank = dist.get_rank()
+    mine = torch.stack([e.view(world, n)[rank] for e in everyone]).double()
+    bound = 2 * (world - 1) * 2.0**-24 * mine.abs().sum(0)
+    control = torch.zeros(n, dtype=torch.bfloat16)
+    for row in mine:
+        control = (control.float() + row.float()).bfloat16()  # bf16 accumulation
+    return {"ratio": ((ours.double() - fp32.double()).abs() / bound).max().item(),
+            "control_ratio": ((control.double() - fp32.double()).abs() / bound).max().item(),
+            "equal": torch.equal(ours, fp32), "bytes": comm.bytes_sent,
+            "fp32_bytes": 4 * n * (world - 1)}
+
+
+def scenario_wire_pair(world: int, **kwargs) -> dict:
+    """Native FSDP2 (fp32 reduce-scatter) vs the wrapper with the bf16 wire."""
+    return {"native": train((world,), wrap=False, **kwargs),
+            "ours": train((world,), wrap=True, wire=True, **kwargs)}
 
 
 # -- process management -------------------------------------------------------------------------
