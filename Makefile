@@ -1,5 +1,5 @@
 # make test  : create .venv, install torch (if none is importable), build, run the whole suite
-# make bench : same setup, then the benchmark (GPU if there is one, else CPU)
+# make bench : same setup, then the benchmarks (GPU if there is one, else CPU): kernels, step, train
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -38,8 +38,11 @@ install: $(VENV)/.installed
 test: $(VENV)/.installed $(VENV)/.test-deps
 	$(PY) -m pytest
 
+# The kernels, the optimizer step against the inner optimizer's, the end-to-end training table.
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.accumbench $(BENCH_ARGS)
+	$(PY) -m benchmarks.accumbench step $(STEP_ARGS)
+	$(PY) -m benchmarks.accumbench train $(TRAIN_ARGS)
 
 clean:
 	rm -rf build *.egg-info accumkernels/_C*.so .pytest_cache

@@ -108,5 +108,14 @@ class WindowReducer:
                 f"{values[0]:g} in all; every rank must run the same number before step()")
         return WindowTotals(values, self.world, len(touched))
 
+    def reopen(self) -> None:
+        """A backward arrives after buckets of this window were summed across ranks (a
+        micro-batch past N): wait for those sums and turn them into averages, so that the
+        final sum in ``finish`` gives sum(window) + sum(new gradients) on every rank."""
+        works, self._works = self._works, {}
+        for index, work in works.items():
+            self._wait(work, "gradient")
+            self.buffer.buckets[index].flat.div_(self.world)
+
     def reset(self) -> None:
         self._works = {}

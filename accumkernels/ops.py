@@ -27,7 +27,7 @@ __all__ = ["LaunchPlan", "accumulate_", "available_backends", "call_layers"]
 
 # The smallest double that float32 rounds to inf: a finite Python scale at or above it is not.
 _FP32_OVERFLOW = 2.0**128 - 2.0**103
-_KNOWN_BACKENDS = frozenset(("auto", *backends.BACKENDS))
+_KNOWN_BACKENDS = frozenset(("auto", *backends.BACKENDS, *backends.TEST_BACKENDS))
 
 # Looked up once: a call on a short list costs about as much as these lookups.
 _is_compiling = torch.compiler.is_compiling
@@ -106,7 +106,7 @@ def _check_call(src: object, overwrite: object, scale: object,
 def _check_backend(backend: object) -> None:
     if not isinstance(backend, str):
         fail(TypeError, f"backend must be a string, got {type(backend).__name__}")
-    if backend != "auto" and backend not in backends.BACKENDS:
+    if backend not in _KNOWN_BACKENDS:
         fail(ValueError, f"unknown backend {backend!r}; choose from 'auto', "
              + ", ".join(repr(b) for b in backends.BACKENDS))
 

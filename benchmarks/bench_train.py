@@ -27,7 +27,10 @@ params, ||accumulated - Σ gᵢ|| / ||Σ gᵢ||, with Σ gᵢ the float64 sum of
 gradients, measured in a separate verification pass: captured with tensor hooks from the very
 backward passes the row accumulates, or (large batch; weights whose gradient a fused layer
 never materialises) recomputed with ``torch.autograd.grad`` on the same weights and batches.
-JSON goes to benchmarks/results/train-<device-slug>-<date>[-quick].json.
+``peak MB``: on a GPU ``torch.cuda.max_memory_allocated`` over the timed windows; on the CPU,
+which has no allocator statistics, the peak of live tensor bytes over two windows of the row
+run in a separate pass (see ``peak_live_bytes``). Both include the model copy and the optimizer
+state. JSON goes to benchmarks/results/train-<device-slug>-<date>[-quick].json.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch
 import accumkernels
 from accumbench.env import default_out_path, environment
 from accumbench.report import json_safe
+from accumbench.tally import LiveTensorBytes
 
 FOOTNOTE = ("err hooks: vs the float64 sum of the bf16 gradients the row itself accumulated; "
             "err recomp: vs recomputed bf16 gradients\n(large batch: a different computation; "
@@ -55,6 +59,8 @@ FOOTNOTE = ("err hooks: vs the float64 sum of the bf16 gradients the row itself 
 ROWS = ("large_batch", "native_bf16", "main_grad_fp32", "accumkernels",
         "accumkernels+fused_wgrad")
 LR = 1e-4
+PEAK_METHOD = {True: "torch.cuda.max_memory_allocated over the timed windows",
+               False: "peak live tensor bytes over two windows (LiveTensorBytes, own pass)"}
 
 
 def _log(msg: str) -> None:
@@ -92,7 +98,8 @@ def verified_param_names(model: torch.nn.Module, kind: str) -> list[str]:
         names = ["transformer.h.0.attn.c_attn.weight", f"transformer.h.{last}.mlp.c_proj.weight",
                  "transformer.wpe.weight", "transformer.ln_f.weight"]
     else:
-        names = ["model.layers.0.self_attn.q_proj.weight", f"model.layers.{last}.mlp.down_proj.weight",
+        names = ["model.layers.0.self_attn.q_proj.weight",
+                 f"model.layers.{last}.mlp.down_proj.weight",
                  "model.layers.0.input_layernorm.weight", "model.norm.weight"]
     have = dict(model.named_parameters())
     return [n for n in names if n in have]
@@ -252,6 +259,32 @@ def time_row(row: str | None, base: torch.nn.Module, data: list[torch.Tensor], n
             "samples_per_s": batch * len(window_ms) / total_s, "peak_mem_bytes": peak}
 
 
+def peak_live_bytes(row: str, base: torch.nn.Module, data: list[torch.Tensor], n: int
+                    ) -> int:
+    """CPU: peak live tensor bytes over (up to) two windows of the row, model copy included.
+
+    Measured as live tensor bytes (accumbench.tally.LiveTensorBytes) rather than as the peak RSS
+    of a subprocess per row above a baseline process: it counts exactly what the GPU column
+    counts (tensors, not the interpreter, libraries or malloc's free lists), it is exact for
+    models whose whole footprint is a few MB (the CPU default), where RSS noise would swamp
+    the differences between rows, and it costs no process start per row. What it cannot see
+    (memory an op's kernel uses internally) is transient and small for these models. The mode
+    slows every op down, hence a pass of its own, outside the timing.
+    """
+    gc.collect()
+    with LiveTensorBytes() as live:
+        model = copy.deepcopy(base)
+        state = SETUPS[row](model, n)
+        for window in data[:2]:  # the first step allocates the optimizer state
+            for x in _splits(window, n):
+                loss_of(model, x, n).backward()
+                state.after_backward()
+            state.step()
+        state.close()
+        del state, model
+    return live.peak
+
+
 def verify_row(row: str, base: torch.nn.Module, window: torch.Tensor, n: int, kind: str,
                device: torch.device) -> dict:
     """Relative error of the row's accumulated gradient vs the float64 sum of micro-batch grads."""
@@ -346,6 +379,8 @@ def run_row(row, base, data, args, device) -> dict:
            "status": "ok", "error": None}
     try:
         out.update(time_row(row, base, data, n, args.warmup, device))
+        if device.type == "cpu":
+            out["peak_mem_bytes"] = peak_live_bytes(row, base, data, n)
         out.update(verify_row(row, base, data[0], args.accumulation_steps, args.model, device))
     except Exception as exc:  # noqa: BLE001 - recorded, the next row runs
         out.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -360,20 +395,21 @@ def format_table(record: dict) -> str:
             f"{c['steps']} timed steps, {record['environment']['device_name']}")
     ref = record["reference"]["ms_per_microbatch"]
     lines = [head, f"fwd+bwd without accumulation: {ref:.2f} ms per micro-batch", "",
-             f"{'row':<26} {'time s':>8} {'samples/s':>10} {'peak GB':>8} {'ms/micro':>9} "
+             f"{'row':<26} {'time s':>8} {'samples/s':>10} {'peak MB':>9} {'ms/micro':>9} "
              + f"{'step ms':>8} {'accum share':>11} {'err hooks':>9} {'err recomp':>10}"]
     for r in record["rows"]:
         if r["status"] != "ok":
             lines.append(f"{r['row']:<26} {r['status']}: {r['error']}")
             continue
-        peak = f"{r['peak_mem_bytes'] / 1e9:8.2f}" if r["peak_mem_bytes"] is not None else "-"
+        peak = f"{r['peak_mem_bytes'] / 1e6:9.1f}" if r["peak_mem_bytes"] is not None else "-"
         share = f"{r['accum_share']:11.1%}" if r.get("accum_share") is not None else "-"
         hooks, recomp = (f"{r[k]:.2e}" if r[k] is not None else "-"
                          for k in ("rel_err_hooks", "rel_err_recomputed"))
-        lines.append(f"{r['row']:<26} {r['time_s']:8.2f} {r['samples_per_s']:10.1f} {peak:>8} "
+        lines.append(f"{r['row']:<26} {r['time_s']:8.2f} {r['samples_per_s']:10.1f} {peak:>9} "
                      f"{r['ms_per_microbatch']:9.2f} {r['step_ms']:8.2f} {share:>11} "
                      f"{hooks:>9} {recomp:>10}")
-    lines += ["", FOOTNOTE]
+    method = c.get("peak_mem_method") or "torch.cuda.max_memory_allocated"
+    lines += ["", FOOTNOTE, f"peak MB (1e6 bytes): {method}"]
     return "\n".join(lines)
 
 
@@ -407,7 +443,8 @@ def main(argv=None) -> int:
                          "accumulation_steps": args.accumulation_steps, "steps": args.steps,
                          "warmup": args.warmup, "params": n_params, "dtype": "bf16",
                          "optimizer": f"AdamW(lr={LR})", "seed": args.seed, "quick": args.quick,
-                         "verified_params": verified_param_names(base, args.model)},
+                         "verified_params": verified_param_names(base, args.model),
+                         "peak_mem_method": PEAK_METHOD[device.type == "cuda"]},
               "reference": reference, "rows": rows}
     out = args.out or default_out_path("train-" + env["device_slug"], datetime.date.today(),
                                        False, args.quick)

@@ -6,8 +6,8 @@
 # MODE
 #   all       (default) env, build, GPU tests, a bf16 benchmark, the four compute-sanitizer tools
 #   check     env, build, GPU tests, the four compute-sanitizer tools
-#   bench     env, build, the full benchmark (eager), the kernels timed by CUDA-graph replay,
-#             overwrite=True
+#   bench     env, build, the full benchmark (eager), the optimizer step (bench_step.py), the
+#             kernels timed by CUDA-graph replay, overwrite=True
 #   tune      env, build with each vector store (stwb, ptx) and time both; the Triton knob sweep;
 #             the SASS both kernels compile to on this machine
 #   train     env, build, benchmarks/bench_train.py (GPT-2 small) and find_micro_batch_size
@@ -218,12 +218,14 @@ main() {
     bench)
       stage build 240 stage_build stwb
       stage bench-full 330 "$PY" -m benchmarks.accumbench --out "$(bench_out "")"
+      stage bench-step 120 "$PY" -m benchmarks.accumbench step --out "$OUT/step-$SLUG-$DATE.json"
       stage bench-graph 120 "$PY" -m benchmarks.accumbench --timer graph --no-plot --no-overhead \
         --providers 'accumkernels:cuda,accumkernels:triton' --workloads flat,gpt2,llama7b \
         --flat-numel 256M --dtypes bf16,fp32 --out "$(bench_out -graph)"
       stage bench-overwrite 100 "$PY" -m benchmarks.accumbench --overwrite --dtypes bf16 \
         --reps 30 --no-plot --no-overhead --out "$(bench_out -overwrite)"
-      keep "$(bench_out "")" "$(bench_out -graph)" "$(bench_out -overwrite)"
+      keep "$(bench_out "")" "$OUT/step-$SLUG-$DATE.json" "$(bench_out -graph)" \
+        "$(bench_out -overwrite)"
       ;;
     tune)
       stage build-stwb 240 stage_build stwb

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace accumkernels {
 
@@ -61,5 +62,13 @@ std::string cuda_vec_store();  // the vector path's store: "stwb" or "ptx" (ACCU
 // loads every kernel instantiation, so that none is first loaded inside a CUDA-graph capture.
 // "" when usable, else why not. Never throws.
 std::string cuda_prepare(int device, bool load_kernels);
+
+// For tests, in every build: the CUDA kernel's code and launch marshalling run on the CPU
+// (accumulate_cuda_host.cpp); pointers in `args` are host addresses. The emulated device has
+// `sm_count` SMs and, with `capturing`, behaves as if the stream were being captured.
+void accumulate_cuda_host(const AccumulateArgs& args);
+void cuda_host_configure(int sm_count, bool capturing);
+// The last call's launches, one line each: table kind, grid, chunks, tensors.
+std::vector<std::string> cuda_host_launches();
 
 }  // namespace accumkernels

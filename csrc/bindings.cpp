@@ -253,6 +253,25 @@ PYBIND11_MODULE(_C, m) {
       "dst[i] = (0 if overwrite else dst[i]) + scale * float32(src[i]) on host memory.");
 
   m.def(
+      "accumulate_cuda_host",
+      [](py::handle dst_ptrs, py::handle src_ptrs, py::handle numels, py::handle src_dtypes,
+         double scale, uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr) {
+        const auto pairs = make_pairs(dst_ptrs, src_ptrs, numels, src_dtypes);
+        const auto args = make_args(pairs, scale, scale_ptr, overwrite, found_inf_ptr);
+        py::gil_scoped_release no_gil;
+        ak::accumulate_cuda_host(args);
+      },
+      py::arg("dst_ptrs"), py::arg("src_ptrs"), py::arg("numels"), py::arg("src_dtypes"),
+      py::arg("scale"), py::arg("scale_ptr"), py::arg("overwrite"), py::arg("found_inf_ptr"),
+      "Tests only: the CUDA kernel's code run on the CPU, on host memory (accumulate_cpu's "
+      "arguments, no threads).");
+  m.def("cuda_host_configure", &ak::cuda_host_configure, py::arg("sm_count"),
+        py::arg("capturing"),
+        "Tests only: the emulated device's SM count and whether its stream counts as captured.");
+  m.def("cuda_host_launches", &ak::cuda_host_launches,
+        "Tests only: the last emulated call's launches (table kind, grid, chunks, tensors).");
+
+  m.def(
       "accumulate_cuda",
       [](py::handle dst_ptrs, py::handle src_ptrs, py::handle numels, py::handle src_dtypes,
          double scale, uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr,

@@ -163,6 +163,11 @@ void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o, cons
                             scale ? reinterpret_cast<const float*>(scale->data) : nullptr,
                             o.overwrite,
                             found_inf ? reinterpret_cast<float*>(found_inf->data) : nullptr};
+  if (o.kernel == kCudaHostKernel) {
+    py::gil_scoped_release no_gil;
+    accumulate_cuda_host(args);
+    return;
+  }
   if (o.kernel == kCpuKernel) {
     int64_t total = 0;
     for (const TensorPair& p : pairs) total += p.numel;
@@ -184,7 +189,8 @@ void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o, cons
 
 void check_kernel_device(const CallOptions& o, const Device& dev) {
   const bool ok = o.kernel == kNoKernel ||
-                  (o.kernel == kCpuKernel && dev.type == torch_device_type_cpu()) ||
+                  ((o.kernel == kCpuKernel || o.kernel == kCudaHostKernel) &&
+                   dev.type == torch_device_type_cpu()) ||
                   (o.kernel == kCudaKernel && dev.type == torch_device_type_cuda() &&
                    dev.index == o.device);
   if (!ok) throw std::invalid_argument("accumulate: the kernel does not match the tensors' device");

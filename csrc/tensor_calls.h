@@ -26,7 +26,8 @@ enum CallFlags : int {
   kCheckInference = 2,  // outside inference mode: an inference tensor may not be written
 };
 
-enum KernelKind : int { kNoKernel = 0, kCpuKernel = 1, kCudaKernel = 2 };
+// kCudaHostKernel: the CUDA kernel emulated on the CPU (tests only, see accumulate.h).
+enum KernelKind : int { kNoKernel = 0, kCpuKernel = 1, kCudaKernel = 2, kCudaHostKernel = 3 };
 
 struct CallOptions {
   double scale = 1.0;

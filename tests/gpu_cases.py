@@ -108,7 +108,8 @@ def table_captured(backend: str, device, n: int, quick: bool = False, replays: i
 
 def unaligned_views(backend: str, device, quick: bool = False) -> None:
     """Views longer than a chunk at every misalignment of dst and src (each alone and both),
-    among aligned ones, per source dtype; then the same with overwrite."""
+    among aligned ones, per source dtype; then the same with overwrite. The memory between the
+    views is never written."""
     n = CHUNK + 4096 + 5 if quick else 3 * CHUNK + 7
     # (dst shift, src shift) in elements; 16 fp32 / 8 bf16 elements keep 16-byte alignment.
     shifts = [(0, 0), (1, 0), (0, 3), (5, 7), (16, 8), (2, 1)]
@@ -125,9 +126,15 @@ def unaligned_views(backend: str, device, quick: bool = False) -> None:
             if overwrite:
                 for d in dst:
                     d.fill_(NAN)
+            outside = torch.ones(dst_store.numel(), dtype=torch.bool, device=device)
+            for k, (ds, _) in enumerate(shifts):
+                outside[k * stride + ds:k * stride + ds + n] = False
+            before = dst_store[outside].clone()
             refs = _expect(dst, src, 0.625, overwrite)
             accumkernels.accumulate_(dst, src, 0.625, overwrite=overwrite, backend=backend)
             _check(refs, dst, f"unaligned views, {dtype}, overwrite={overwrite}")
+            assert torch.equal(dst_store[outside].view(torch.int32), before.view(torch.int32)), \
+                f"unaligned views, {dtype}, overwrite={overwrite}: memory between views written"
 
 
 def found_inf_vector(backend: str, device, quick: bool = False) -> None:

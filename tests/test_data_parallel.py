@@ -45,6 +45,11 @@ def single_process_reference(device: str = "cpu") -> list[torch.Tensor]:
     return [p.detach().cpu() for p in model.parameters()]
 
 
+def extra_microbatches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """WORLD * (PER_RANK + 1) micro-batches: one more per rank than accumulation_steps."""
+    return microbatches(0) + microbatches(1)[:WORLD]
+
+
 def _worker(rank: int, out_dir: str, scenario: str) -> None:
     result: dict = {"error": None}
     try:
@@ -73,6 +78,12 @@ def _worker(rank: int, out_dir: str, scenario: str) -> None:
                     opt.step()
                     opt.zero_grad()
             result["params"] = [p.detach().clone() for p in model.parameters()]
+        elif scenario == "extra_backward":  # N=PER_RANK, but PER_RANK + 1 backwards, then step
+            mine = extra_microbatches()[rank * (PER_RANK + 1):(rank + 1) * (PER_RANK + 1)]
+            for x, y in mine:
+                loss_fn(model, x, y).backward()
+            opt.step()
+            result["params"] = [p.detach().clone() for p in model.parameters()]
         elif scenario == "count_mismatch":  # rank 1 runs one micro-batch more than rank 0
             for x, y in microbatches(0)[: PER_RANK + rank]:
                 loss_fn(model, x, y).backward()
@@ -87,7 +98,7 @@ def _worker(rank: int, out_dir: str, scenario: str) -> None:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    if scenario == "train" and result["error"] is None:  # the scenario where all ranks agree
+    if scenario in ("train", "extra_backward") and result["error"] is None:  # the scenario where all ranks agree
         dist.barrier()
         dist.destroy_process_group()
     # The result is on disk. After a deliberate collective failure gloo may abort() at
@@ -166,3 +177,24 @@ def test_nccl_world_size_one(tmp_path):
             torch.testing.assert_close(a.detach().cpu(), ref, rtol=0, atol=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_backward_past_a_complete_window_reaches_every_rank(tmp_path):
+    """N=2 and three backwards before step(): the overlapped all-reduce started in the second
+    backward; the third one's gradients must still be averaged over the ranks (not stay local)."""
+    results = run_ranks(tmp_path, "extra_backward")
+    for r in results:
+        assert r["error"] is None, r.get("traceback")
+    rank0, rank1 = (r["params"] for r in results)
+    for a, b in zip(rank0, rank1):
+        assert torch.equal(a, b), "ranks hold different params"
+    model = make_model(0)  # one process, all six micro-batches in one window
+    opt = AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                reduction="mean")
+    for x, y in extra_microbatches():
+        loss_fn(model, x, y).backward()
+    opt.step()
+    # the reduced buckets are divided by WORLD=2 (exact) and summed again: fp32 rounding of
+    # the sums only, through one AdamW step of lr 1e-2
+    for a, ref in zip(rank0, model.parameters()):
+        torch.testing.assert_close(a, ref.detach(), rtol=0, atol=1e-6)

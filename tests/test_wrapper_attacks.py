@@ -105,7 +105,7 @@ def _train(model, opt, data):
 
 def _drop_window_key(key):
     def corrupt(state):
-        del state["window"][key]
+        del state["accumkernels"]["window"][key]
         return state
     return corrupt
 
@@ -165,11 +165,13 @@ def test_state_of_other_shapes_with_the_same_padded_size_is_refused():
         return opt
 
     src = build(nn.Linear(4, 8))
-    assert [t.shape for t in src.state_dict()["main_grad"]] == [torch.Size([64])]
+    assert [t.shape for t in src.state_dict()["accumkernels"]["window"]["main_grad"]] \
+        == [torch.Size([64])]
     state = roundtrip(src.state_dict())
     model = nn.Linear(8, 4)
     opt = build(model)
-    assert [t.shape for t in opt.state_dict()["main_grad"]] == [torch.Size([64])]
+    assert [t.shape for t in opt.state_dict()["accumkernels"]["window"]["main_grad"]] \
+        == [torch.Size([64])]
     before = checksum(opt, model)
     with pytest.raises(ValueError):
         opt.load_state_dict(state)

@@ -13,13 +13,16 @@ from types import ModuleType
 import torch
 
 BACKENDS = ("cuda", "triton", "cpu", "torch")
+# Accepted by name but never offered (available_backends, "auto"): for tests only.
+TEST_BACKENDS = ("cuda_host",)
 
 # Preference order of ``backend="auto"`` per device type: fastest first.
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpu", "torch")}
 
 # "cuda" and "cpu" are two faces of the same compiled module.
 # Module names differ from "torch" so a submodule never shadows the torch import here.
-_MODULES = {"cuda": "native", "cpu": "native", "triton": "triton", "torch": "reference"}
+_MODULES = {"cuda": "native", "cpu": "native", "triton": "triton", "torch": "reference",
+            "cuda_host": "cuda_host"}
 
 
 def get(name: str) -> ModuleType:

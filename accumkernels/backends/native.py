@@ -33,7 +33,8 @@ DTYPE_CODES: dict[torch.dtype, int] = {} if _C is None else {
     torch.float32: _C.DTYPE_FLOAT32, torch.bfloat16: _C.DTYPE_BFLOAT16,
     torch.float16: _C.DTYPE_FLOAT16}
 
-KERNELS = {"cpu": 1, "cuda": 2}  # backend -> KernelKind of csrc/tensor_calls.h (0: check only)
+# backend -> KernelKind of csrc/tensor_calls.h (0: check only); cuda_host: tests only
+KERNELS = {"cpu": 1, "cuda": 2, "cuda_host": 3}
 
 
 # device index -> why the CUDA kernels cannot run there (None: they can); probed once per device.
@@ -152,7 +153,7 @@ def _launch_args(backend: str, device: torch.device) -> tuple[int, int, int, int
         return kernel, _num_threads(), 0, -1
     if kernel == 2:
         return kernel, 0, _stream(device), device.index
-    return 0, 0, 0, -1
+    return kernel, 0, 0, -1
 
 
 def run(dst, src, scale: float, scale_tensor, overwrite: bool, found_inf, flags: int,

@@ -1,33 +1,43 @@
 """The wrapper's checkpoint: each room writes and checks its own piece; loading is atomic.
 
+The state dict is a torch optimizer state dict: ``state`` and ``param_groups`` are the inner
+optimizer's (so a native optimizer loads it, and ``torch.distributed.checkpoint`` walks it),
+and the wrapper's own parts sit under ``"accumkernels"``: format version, param shapes, master
+weights, loss-scale state, non-finite counters, and the window (counts, weights and its fp32
+buffers) only when it is not empty. A native optimizer's state dict loads too: the masters are
+then taken from the model and the window is empty.
+
 ``restore`` first parses every piece (raising ``ValueError`` on anything that does not fit this
 wrapper), then loads the inner optimizer with a rollback, and only then writes the rooms: a
-state that fails changes nothing. Format version 2 adds ``version`` and ``param_shapes``;
-version-1 checkpoints (no ``version`` key) still load.
+state that fails changes nothing. Versions 1 and 2 (everything at the top level, the inner
+state under ``"optimizer"``) still load.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
 from accumkernels.optim.window import Window
 
-VERSION = 2
-_REQUIRED = ("optimizer", "master_weights", "main_grad", "window", "found_inf", "loss_scale",
-             "skipped_steps", "skipped_microbatches")
+VERSION = 3
+OWN_KEY = "accumkernels"
 
 
 def assemble(opt) -> dict:
-    return {
+    inner = opt.optimizer.state_dict()
+    own = {
         "version": VERSION,
-        "optimizer": opt.optimizer.state_dict(),
         "param_shapes": [list(p.shape) for p in opt._params],
         "master_weights": opt._masters.state_dict(),
-        "main_grad": list(opt._buffer.buffers.values()),
-        "window": opt._window.state_dict(opt._params),
         "loss_scale": opt._scaler.state_dict(),
         **opt._nonfinite.state_dict(),
     }
+    if not opt._window.empty:
+        own["window"] = {**opt._window.state_dict(opt._params),
+                         "main_grad": list(opt._buffer.buffers.values())}
+    return {**inner, OWN_KEY: own}
 
 
 def _parse_buffers(opt, saved: object) -> list[torch.Tensor]:
@@ -39,28 +49,44 @@ def _parse_buffers(opt, saved: object) -> list[torch.Tensor]:
 
 
 def _parse(opt, sd: object) -> dict:
-    if not isinstance(sd, dict) or any(k not in sd for k in ("optimizer", "master_weights",
-                                                             "main_grad", "window")):
-        raise ValueError(
-            "load_state_dict: not an AccumulatingOptimizer state_dict; to load the inner "
-            "optimizer's own state use opt.optimizer.load_state_dict() before wrapping it")
-    version = sd.get("version", 1)
-    if version not in (1, VERSION):
-        raise ValueError(f"load_state_dict: checkpoint format version {version!r} is not "
-                         f"supported (this accumkernels writes version {VERSION})")
-    missing = [k for k in _REQUIRED if k not in sd]
+    """The pieces of a v3, v1/v2 or native state dict, checked; and the inner optimizer's."""
+    if isinstance(sd, dict) and OWN_KEY in sd:
+        own = sd[OWN_KEY]
+        if not isinstance(own, dict) or own.get("version") != VERSION:
+            version = own.get("version") if isinstance(own, dict) else None
+            raise ValueError(f"load_state_dict: checkpoint format version {version!r} is not "
+                             f"supported (this accumkernels writes version {VERSION})")
+        inner = {k: v for k, v in sd.items() if k != OWN_KEY}
+        window = own.get("window")
+        old = {**own, "optimizer": inner, "main_grad": window["main_grad"] if window else None,
+               "window": window}
+    elif isinstance(sd, dict) and all(k in sd for k in ("optimizer", "master_weights",
+                                                        "main_grad", "window")):
+        old = sd
+        if sd.get("version", 1) not in (1, 2):
+            raise ValueError(f"load_state_dict: checkpoint format version {sd['version']!r} is "
+                             f"not supported (this accumkernels writes version {VERSION})")
+    elif isinstance(sd, dict) and "state" in sd and "param_groups" in sd:
+        return {"inner": sd, "native": True}  # a native optimizer's: masters from the model
+    else:
+        raise ValueError("load_state_dict: neither an optimizer state dict (no 'state' and "
+                         "'param_groups') nor an AccumulatingOptimizer checkpoint")
+    missing = [k for k in ("master_weights", "found_inf", "loss_scale", "skipped_steps",
+                           "skipped_microbatches") if k not in old]
     if missing:
         raise ValueError(f"load_state_dict: the state_dict lacks {missing}")
-    shapes = sd.get("param_shapes")
+    shapes = old.get("param_shapes")
     if shapes is not None and [list(s) for s in shapes] != [list(p.shape) for p in opt._params]:
         raise ValueError("load_state_dict: param_shapes does not match this optimizer's params "
                          "(a checkpoint of a different model?)")
+    window = old["window"]
     return {
-        "masters": opt._masters.parse(sd["master_weights"]),
-        "buffers": _parse_buffers(opt, sd["main_grad"]),
-        "window": Window.parse(sd["window"], opt._params),
-        "nonfinite": opt._nonfinite.parse(sd),
-        "scaler": opt._scaler.parse(sd["loss_scale"]),
+        "inner": old["optimizer"],
+        "masters": opt._masters.parse(old["master_weights"]),
+        "buffers": None if window is None else _parse_buffers(opt, old["main_grad"]),
+        "window": None if window is None else Window.parse(window, opt._params),
+        "nonfinite": opt._nonfinite.parse(old),
+        "scaler": opt._scaler.parse(old["loss_scale"]),
     }
 
 
@@ -90,15 +116,36 @@ def _load_inner(optimizer: torch.optim.Optimizer, saved: dict) -> None:
 def restore(opt, sd: dict) -> None:
     opt._intake.settle()
     parsed = _parse(opt, sd)
-    _load_inner(opt.optimizer, sd["optimizer"])
+    _load_inner(opt.optimizer, parsed["inner"])
     # Nothing below can fail.
-    opt._masters.load(parsed["masters"])
-    for flat, saved in zip(opt._buffer.buffers.values(), parsed["buffers"]):
-        flat.copy_(saved)
     opt._intake.pending = {}
-    opt._dp.reset()
-    opt._window.load(parsed["window"])
-    opt._nonfinite.load(parsed["nonfinite"])
-    opt._scaler.load(parsed["scaler"])
+    opt._reset_window()
+    if parsed.get("native"):
+        opt._masters.take_from_model()
+    else:
+        opt._masters.load(parsed["masters"])
+        if parsed["window"] is not None:
+            for flat, saved in zip(opt._buffer.buffers.values(), parsed["buffers"]):
+                flat.copy_(saved)
+            opt._window.load(parsed["window"])
+        opt._nonfinite.load(parsed["nonfinite"])
+        opt._scaler.load(parsed["scaler"])
     opt._intake.hide_all()
     opt._intake.expose()
+
+
+def native_copy(opt) -> torch.optim.Optimizer:
+    """A shallow copy of the inner optimizer over the model's params (masters mapped back),
+    with no tie to the wrapper: what pickling and ``copy.deepcopy`` carry."""
+    inner = opt.optimizer
+    model_of = {id(opt._masters.get(p)): p for p in opt._params if opt._masters.get(p) is not None}
+    copy = object.__new__(type(inner))
+    copy.__dict__.update({k: v for k, v in inner.__dict__.items()
+                          if not k.startswith("_accumkernels")})
+    copy.param_groups = [{**g, "params": [model_of.get(id(p), p) for p in g["params"]]}
+                         for g in inner.param_groups]
+    state = type(inner.state)(dict) if isinstance(inner.state, defaultdict) else {}
+    for p, value in inner.state.items():
+        state[model_of.get(id(p), p)] = value
+    copy.state = state
+    return copy

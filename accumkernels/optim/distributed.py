@@ -107,6 +107,11 @@ class DataParallel:
                 "window once per step). independent_ranks=True if the ranks are meant to train "
                 "apart.")
 
+    def backward_begins(self) -> None:
+        """process_group: a backward after the window's reduction started must reach it too."""
+        if self.reducer is not None and self.ddp_group is None and self.reducer._works:
+            self.reducer.reopen()
+
     def bucket_moved(self, bucket: Bucket, last_microbatch: bool) -> None:
         """During the window's last backward: start reducing a finished bucket (overlap)."""
         if self.reducer is not None and self.ddp_group is None and last_microbatch:

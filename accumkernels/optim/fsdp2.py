@@ -239,14 +239,15 @@ class ShardedAccumulatingOptimizer(AccumulatingOptimizer):
         for p, shown in zip(params, window.shown):
             p.grad = None
             p.main_grad = shown
+        self._outside.rebuild({id(p) for p in params})
         self._intake = ShardedIntake(self, params, window, groups, modules)
-        self._frozen = self._unmanaged()
 
     def _clip_norm(self, flats: list[torch.Tensor]) -> torch.Tensor:
-        """The global 2-norm of the window, computed as ``clip_grad_norm_`` does on DTensors."""
+        """The global 2-norm of the window (and of the native ``.grad`` of params outside it,
+        after the flats), computed as ``clip_grad_norm_`` does on DTensors."""
         touched = self._window.touched
         shown = [v for p, v in zip(self._params, self._intake.views) if id(p) in touched]
-        norm = torch.nn.utils.get_total_norm(shown, 2.0)
+        norm = torch.nn.utils.get_total_norm(shown + flats[len(self._buffer.buffers):], 2.0)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _first_nonfinite(self) -> str:

@@ -33,6 +33,7 @@ import torch
 
 from accumkernels._util import LOW_PRECISION
 from accumkernels.buffer import Bucket, MasterGradBuffer
+from accumkernels.optim.guard import Guard
 from accumkernels.slot import SlotWrite
 
 _engine = torch.autograd.Variable._execution_engine
@@ -71,7 +72,7 @@ class Intake:
     """Hooks, pending gradients and fused launches for one wrapper (see the module docstring)."""
 
     def __init__(self, owner, params: list[torch.Tensor], buffer: MasterGradBuffer, *,
-                 move_in_backward: bool):
+                 move_in_backward: bool, outside: list[torch.Tensor] = ()):
         self._owner = weakref.ref(owner)
         self.params = params
         self.buffer = buffer
@@ -89,6 +90,7 @@ class Intake:
         self._end_ref = None  # weakref to the active backward's final callback
         self.unmoved = 0  # backwards whose gradients still sit in .grad (not moved in backward)
         self.handles: list = []
+        self.guard = Guard(self)
         me = weakref.ref(self)
         for i, p in enumerate(params):
             if _HAS_GRAD_DTYPE and p.dtype in LOW_PRECISION:
@@ -96,6 +98,8 @@ class Intake:
                 p.grad_dtype = None  # any dtype may sit in .grad: the fp32 view, or bf16 grads
             self.handles.append(p.register_hook(_pre_hook(me, i)))
             self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
+        for p in outside:  # params outside the window (float64, frozen): their backwards count
+            self.handles.append(p.register_post_accumulate_grad_hook(_outside_hook(me)))
         self._finalizer = weakref.finalize(owner, _remove_handles, self.handles)
 
     def remove(self) -> None:
@@ -110,9 +114,14 @@ class Intake:
             if owner is not None:
                 owner._check_unfrozen()
             self._active, self._got_grad, self._deferred = True, False, False
+            if self.guard.shown:  # .grad cleared from outside since the views were shown
+                self.guard.cleared_outside()
+                self.guard.shown = False  # from here on a None .grad is the wrapper's doing
             end = _EndOfBackward(self)
             self._end_ref = weakref.ref(end)
             _engine.queue_callback(end)
+            if owner is not None:
+                owner._dp.backward_begins()
             if owner is not None and owner._dp.ddp_group is not None:
                 # DDP (accumkernels.optim.ddp) reads every p.grad of a sync backward, also of
                 # params this backward gives no gradient: none may still show the fp32 window.
@@ -139,9 +148,16 @@ class Intake:
         """Whether ``_begin`` has anything to do (the hot hooks skip the call otherwise)."""
         return not self._active or (not self._deferred and self._end_ref() is None)
 
-    def before_grad(self, i: int) -> None:
+    def is_touched(self, p: torch.Tensor) -> bool:
+        owner = self._owner()
+        return owner is not None and id(p) in owner._window.touched
+
+    def before_grad(self, i: int, grad: torch.Tensor) -> None:
+        self.guard.before_grad(i, grad)
         if self._starting():
             self._begin()
+        if grad.requires_grad:  # backward(create_graph=True): autograd adds out of place into
+            return  # the view, so .grad carries the graph (see after_grad)
         if self.params[i].grad is not None:
             self._hide(i)
 
@@ -167,6 +183,9 @@ class Intake:
             return
         p = self.params[i]
         if p.grad is None:  # undefined gradient (a Function returned None, or a fused write)
+            return
+        if p.grad.requires_grad:  # create_graph: .grad (window + this gradient) keeps its graph
+            self._owner()._window.touched.add(id(p))  # until the next call absorbs it
             return
         index = self._bucket_index[i]
         pend = self.pending.get(index)
@@ -263,6 +282,7 @@ class Intake:
     def move_unmoved(self) -> None:
         """Move every ``.grad`` that is not the param's view (accumulate_in_backward=False)."""
         self.settle()
+        self.guard.check_all()
         by_bucket: dict[int, list[torch.Tensor]] = {}
         for p, view in zip(self.params, self.views):
             g = p.grad
@@ -289,6 +309,7 @@ class Intake:
     def absorb_assigned(self) -> None:
         """A ``.grad`` the user assigned (not the view) is what p's gradient means now."""
         self.settle()
+        self.guard.check_all()
         for p, view in zip(self.params, self.views):
             g = p.grad
             if g is not None and g is not view:
@@ -312,12 +333,16 @@ class Intake:
             master = owner._masters.get(p)
             if master is not None and master.grad is not view:
                 master.grad = view
-            if p.grad is not view and (show_lowp or p.dtype not in LOW_PRECISION):
-                p.grad = view
+            g = p.grad
+            if g is not view and (g is None or not g.requires_grad) \
+                    and (show_lowp or p.dtype not in LOW_PRECISION):
+                p.grad = view  # (a .grad carrying create_graph's graph stays until absorbed)
+        self.guard.shown = True
 
     def hide_all(self) -> None:
         """``.grad`` None on every param and master (the window itself is untouched)."""
         owner = self._owner()
+        self.guard.shown = False
         for p in self.params:
             p.grad = None
             master = owner._masters.get(p)
@@ -329,7 +354,17 @@ def _pre_hook(intake_ref, i: int):
     def hook(grad):
         intake = intake_ref()
         if intake is not None:
-            intake.before_grad(i)
+            intake.before_grad(i, grad)
+    return hook
+
+
+def _outside_hook(intake_ref):
+    def hook(param):
+        intake = intake_ref()
+        if intake is not None:
+            if intake._starting():
+                intake._begin()
+            intake._got_grad = True
     return hook
 
 

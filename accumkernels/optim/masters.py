@@ -62,6 +62,12 @@ class MasterWeights:
             torch.where(changed, p.float(), m, out=m)
 
     @torch.no_grad()
+    def take_from_model(self) -> None:
+        """Masters equal to the model's weights (a native optimizer's state was loaded)."""
+        for p in self.model_params:
+            self.masters[id(p)].copy_(p)
+
+    @torch.no_grad()
     def copy_back(self) -> None:
         if self.model_params:
             torch._foreach_copy_(self.model_params, self.master_list())

@@ -11,20 +11,19 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections import OrderedDict
-
 import torch
 
 from accumkernels import backends
 from accumkernels._util import LOW_PRECISION, finite_positive
 from accumkernels.buffer import Bucket, MasterGradBuffer
 from accumkernels.checks import check_model
-from accumkernels.optim import checkpoint
+from accumkernels.optim import checkpoint, protocol
 from accumkernels.optim.config import make_config
 from accumkernels.optim.distributed import DataParallel, refuse_sharded
 from accumkernels.optim.intake import Intake
 from accumkernels.optim.masters import MasterWeights
 from accumkernels.optim.nonfinite import NonFinite
+from accumkernels.optim.outside import OutsideParams
 from accumkernels.optim.scaling import LossScaler
 from accumkernels.optim.stepping import StepMixin
 from accumkernels.optim.window import Window
@@ -33,6 +32,8 @@ from accumkernels.slot import SLOT_ATTR, get_slot
 __all__ = ["AccumulatingOptimizer"]
 
 _OWNER_ATTR = "_accumkernels_wrapper"
+# Params summed in the fp32 window; float64 params train natively (see optim.outside).
+_WINDOW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _Slot:
@@ -51,11 +52,20 @@ class _Slot:
             raise ValueError("fused gradient writes cannot be undone: nonfinite='skip_microbatch' "
                              "is not supported with fuse_wgrad_accumulation")
 
+    def __reduce__(self):  # a pickled or copied param carries a slot with no owner
+        return _dead_slot, ()
+
     def claim(self, p: torch.Tensor):
         owner = self._owner()
         if owner is None:
             raise RuntimeError("the AccumulatingOptimizer that managed this param is gone")
         return owner._intake.claim(p)
+
+
+def _dead_slot() -> _Slot:
+    slot = _Slot.__new__(_Slot)
+    slot._owner = lambda: None
+    return slot
 
 
 class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
@@ -113,22 +123,22 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        params = [p for g in optimizer.param_groups for p in g["params"]
+                  if p.requires_grad and p.dtype in _WINDOW_DTYPES]
         if not self._takes_dtensors:  # FSDP2 (issue 22): the fsdp2 room checks its own
             refuse_sharded(params)  # FSDP1 / DeepSpeed / stray DTensor params: refused here
-        # torch.optim.Optimizer.__init__ would build its own param_groups; the wrapper shares
-        # the inner optimizer's and only sets up the hook registries the base class uses.
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                     "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
+        # torch.optim.Optimizer.__init__ would build its own param_groups and patch step() to
+        # run hooks on every call; the wrapper shares the inner optimizer's groups and runs the
+        # hooks around real steps only (optim.protocol).
+        protocol.init_hook_registries(self)
         self._warned_capturable_if_run_uncaptured = True
-        self._patch_step_function()
         self.optimizer = optimizer
+        self._needs_closure = protocol.needs_closure(optimizer)
+        self._outside = OutsideParams(optimizer)
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         if model is not None:
             check_model(model)
+            _refuse_sparse_modules(model)
         self._scaler = LossScaler(cfg.loss_scale)
         self._window = Window(cfg)
         self._masters = MasterWeights(optimizer, master_weights == "auto" and any(
@@ -157,9 +167,12 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         for p in params:
             setattr(p, SLOT_ATTR, slot)
             p.grad = None
+        self._outside.rebuild({id(p) for p in self._masters.master_list()}
+                              | {id(p) for p in self._params})
         self._intake = Intake(self, params, buffer,
-                              move_in_backward=self.config.accumulate_in_backward)
-        self._frozen = self._unmanaged()
+                              move_in_backward=self.config.accumulate_in_backward,
+                              outside=[p for p in self._outside.params
+                                       if p.is_leaf and p.requires_grad])
 
     # -- sharing the inner optimizer ----------------------------------------------------------
     param_groups = property(lambda self: self.optimizer.param_groups,
@@ -169,11 +182,28 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
     defaults = property(lambda self: self.optimizer.defaults,
                         lambda self, v: setattr(self.optimizer, "defaults", v))
 
-    def __getattr__(self, name):  # the old public option names (opt.reduction, ...)
+    def __getattr__(self, name):
+        """The options (``opt.reduction``, ...), then the inner optimizer's public attributes
+        (what frameworks duck-type; ``train()``/``eval()`` of schedule-free optimizers)."""
         config = self.__dict__.get("config")
         if config is not None and name in config.__dataclass_fields__:
             return getattr(config, name)
+        inner = self.__dict__.get("optimizer")
+        if inner is not None and not name.startswith("_") and hasattr(inner, name):
+            value = getattr(inner, name)
+            if name in ("train", "eval") and callable(value):
+                return self._moving_weights(value)
+            return value
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _moving_weights(self, method):
+        """An inner method that moves the weights it steps (schedule-free ``train``/``eval``):
+        with master weights the model gets the moved masters."""
+        def call(*args, **kwargs):
+            out = method(*args, **kwargs)
+            self._masters.copy_back()
+            return out
+        return call
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; its trainable params join the window.
@@ -305,7 +335,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         """
         self._settle()
         w = self._window
-        keep = w.micro_steps > 0 and self.config.accumulation_steps is not None and not w.complete
+        keep = self._keeps_window()
         if not keep and not w.empty:
             self._reset_window()
         if set_to_none:
@@ -315,29 +345,36 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
                 if p.grad is view:
                     view.zero_()
                     w.touched.add(id(p))
-        for p in self._frozen:  # outside the window: cleared the native way
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+        if not keep:  # outside the window: cleared the native way, on the window's rule
+            self._outside.clear(set_to_none)
 
-    def _unmanaged(self) -> list[torch.Tensor]:
-        """Params of the inner optimizer outside the window (frozen when it was built)."""
-        managed = {id(p) for p in self._masters.master_list()} | {id(p) for p in self._params}
-        return [p for g in self.optimizer.param_groups for p in g["params"]
-                if id(p) not in managed]
+    def _keeps_window(self) -> bool:
+        """A clear now keeps the window: N given and the window still filling."""
+        w = self._window
+        return w.micro_steps > 0 and self.config.accumulation_steps is not None \
+            and not w.complete
 
     # -- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything needed to resume mid-window exactly (loadable with weights_only=True)."""
         self._settle()
-        return checkpoint.assemble(self)
+        return protocol.state_dict_with_hooks(self, lambda: checkpoint.assemble(self))
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a ``state_dict()``; a state that does not fit changes nothing (ValueError)."""
-        checkpoint.restore(self, state_dict)
+        protocol.load_with_hooks(self, state_dict, lambda sd: checkpoint.restore(self, sd))
+
+    def __reduce__(self):
+        """``copy.deepcopy`` and pickle: a new wrapper over a copy of the inner optimizer (and,
+        as for any torch optimizer, of the params), with the window and masters restored."""
+        if self._dp.active or self._dp.ddp_group is not None:
+            raise TypeError("an AccumulatingOptimizer that reduces across ranks (process_group "
+                            "or DDP) cannot be pickled or deep-copied; save its state_dict()")
+        self._settle()
+        kwargs = {f: getattr(self.config, f) for f in self.config.__dataclass_fields__}
+        own = checkpoint.assemble(self)[checkpoint.OWN_KEY]
+        return _rebuild, (checkpoint.native_copy(self), kwargs, own)
 
     def remove_hooks(self) -> None:
         """Detach from the model's params (the wrapper stops accumulating during backward)."""
@@ -359,22 +396,48 @@ def _check_inner(optimizer: object) -> None:
                          "param_groups now hold that wrapper's fp32 copies; build a new one")
     seen: set[int] = set()
     for g, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable"):
+            raise ValueError(f"param_groups[{g}] has differentiable=True: a step through which "
+                             "autograd differentiates cannot run on an accumulated window; use "
+                             "the optimizer without AccumulatingOptimizer")
         for i, p in enumerate(group["params"]):
             where = f"param_groups[{g}]['params'][{i}]"
             if id(p) in seen:
                 raise ValueError(f"{where} appears more than once in the optimizer")
             if p.device.type == "meta":
                 raise ValueError(f"{where} is on the meta device; materialise the model first")
+            if p.is_complex():
+                raise ValueError(f"{where} is complex ({p.dtype}); the fp32 window holds real "
+                                 "gradients only (view it with torch.view_as_real first)")
+            if not p.is_floating_point():
+                raise TypeError(f"{where} has dtype {p.dtype}; expected a floating-point param")
             seen.add(id(p))
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ValueError("SparseAdam steps sparse gradients, which the fp32 window cannot hold; "
+                         "use it without AccumulatingOptimizer (autograd sums sparse gradients)")
+
+
+def _refuse_sparse_modules(model: torch.nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(f"{name or 'model'} is an {type(module).__name__} with sparse=True: "
+                             "its sparse gradients cannot be summed in the dense fp32 window; "
+                             "use sparse=False, or train without AccumulatingOptimizer")
 
 
 def _take_over(params: list[torch.Tensor], new_owner: AccumulatingOptimizer) -> None:
     """A live wrapper already managing these params stops, with a warning."""
     for p in params:
         slot = get_slot(p)
-        if slot is not None and slot.owner is not new_owner:
+        if slot is not None and slot.owner is not None and slot.owner is not new_owner:
             warnings.warn("AccumulatingOptimizer: these params were managed by another live "
                           "wrapper; it is detached (its hooks removed) and this one takes over",
                           stacklevel=3)
             slot.owner.remove_hooks()
             return
+
+
+def _rebuild(inner: torch.optim.Optimizer, kwargs: dict, own: dict) -> AccumulatingOptimizer:
+    opt = AccumulatingOptimizer(inner, **kwargs)
+    opt.load_state_dict({**inner.state_dict(), checkpoint.OWN_KEY: own})
+    return opt

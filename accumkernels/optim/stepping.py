@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from accumkernels._util import LOW_PRECISION
+from accumkernels.optim import protocol
 
 _NO_WEIGHTS = "reduction='weighted' needs add_weight() for the window's micro-batches"
 
@@ -20,25 +21,32 @@ class StepMixin:
         (learned from this wrapper's own calls) when the caller has so far called ``step()``
         only on complete windows: such a caller (Trainer-style) ends a short last window the
         same way. A caller that calls ``step()`` before the window is complete (every
-        micro-batch, Accelerate-style) gets no-ops until it is.
+        micro-batch, Accelerate-style) gets no-ops until it is. Step hooks run around real
+        steps only. An inner optimizer that requires a closure (LBFGS) gets it: it evaluates
+        the closure itself, each evaluation filling a fresh window.
         """
+        args = (self,) if closure is None else (self, closure)
+        if closure is not None and self._needs_closure:
+            return protocol.run_step(self, args, {}, lambda: self._closure_step(closure))
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._maybe_step(force=False)
+        self._maybe_step(force=False, args=args)
         return loss
 
     @torch.no_grad()
     def flush(self) -> None:
         """Take the step now, for a short last window (e.g. at the end of an epoch)."""
-        self._maybe_step(force=True)
+        self._maybe_step(force=True, args=(self,))
 
-    def _maybe_step(self, force: bool) -> None:
+    def _maybe_step(self, force: bool, args: tuple) -> None:
         self._settle()
         w = self._window
-        if w.empty:
+        if w.empty and not self._outside.with_grad():
             return
+        if w.micro_steps == 0:  # gradients assigned (or zeroed) without a backward: one
+            self._microbatch_ended(True)  # micro-batch, as accumulate_in_backward=False counts
         if self.config.reduction == "weighted" and not self._dp.active and w.kept \
                 and w.local_weight() <= 0 and (force or self.sync_step or w.boundary_only):
             raise ValueError(_NO_WEIGHTS)
@@ -48,7 +56,7 @@ class StepMixin:
                 return
         elif w.complete and w.boundary_only is None:
             w.boundary_only = True  # its first step() came on a complete window
-        self._real_step()
+        protocol.run_step(self, args, {}, self._real_step)
 
     def _real_step(self) -> None:
         w, nf = self._window, self._nonfinite
@@ -67,22 +75,60 @@ class StepMixin:
         if target is None:
             raise ValueError(_NO_WEIGHTS)
         self._normalise(target)
+        self._outside.scale(1.0 / (self._scaler.scale * target))
         flats = list(self._buffer.buffers.values())
-        norm = self._clip_norm(flats) if self.config.max_grad_norm is not None else None
-        if not nf.window_finite(flats, norm):
-            if nf.policy == "raise":
-                raise FloatingPointError(f"non-finite gradient in {self._first_nonfinite()}")
-            return self._skip()
+        outside = [p.grad for p in self._outside.with_grad() if not p.grad.is_sparse]
+        norm = self._clip_norm(flats + outside) if self.config.max_grad_norm is not None \
+            else None
+        if not nf.window_finite(flats + outside, norm):
+            return self._nonfinite_window()
         if norm is not None:
             coef = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
-            for flat in flats:
+            for flat in flats + outside:
                 flat.mul_(coef.to(flat.device))
             self.last_grad_norm = norm
+        cast = self._hand_grads()
+        if cast and not nf.all_finite([p.grad for p in cast]):
+            for p in cast:  # the fp32 window overflows the param dtype
+                p.grad = None
+            self._intake.expose()
+            return self._nonfinite_window()
         self._masters.resync_changed()
-        self._inner_step()
-        self._masters.copy_back()
+        protocol.inner_step(self.optimizer)
+        self._after_inner_step(cast)
         self._scaler.update(found_inf=False)
         self._reset_window()
+
+    def _nonfinite_window(self) -> None:
+        if self._nonfinite.policy == "raise":
+            raise FloatingPointError(f"non-finite gradient in {self._first_nonfinite()}")
+        self._skip()
+
+    def _closure_step(self, closure):
+        """An inner optimizer that requires a closure (LBFGS) evaluates it itself, maybe
+        several times: each evaluation runs at the inner optimizer's current point (masters
+        copied into the model), fills a fresh window and hands it over as ``.grad``."""
+        cast: list[torch.Tensor] = []
+
+        def evaluate():
+            self._masters.copy_back()
+            self._reset_window()
+            with torch.enable_grad():
+                loss = closure()
+            with torch.no_grad():
+                self._settle()
+                if not self._window.empty and self._window.micro_steps == 0:
+                    self._microbatch_ended(True)
+                self._zero_untouched()
+                self._normalise(self._target_divisor(None) or 1.0)
+                self._outside.scale(1.0 / (self._scaler.scale * self._window.divisor))
+                cast[:] = self._hand_grads()
+            return loss
+
+        loss = protocol.inner_step(self.optimizer, evaluate)
+        self._after_inner_step(cast)
+        self._reset_window()
+        return loss
 
     def _skip(self) -> None:
         self._nonfinite.skipped_steps += 1
@@ -137,25 +183,24 @@ class StepMixin:
         return "the window (the gradient was non-finite when accumulated)"
 
     def _check_unfrozen(self) -> None:
-        """A param frozen when the wrapper was built now trains (progressive unfreezing).
-
-        With ``reduction="sum"`` and no loss scale its native ``.grad`` is exactly what native
-        training steps on, so it just trains natively; otherwise the wrapper cannot normalise
-        it: the first backward after unfreezing raises, naming the fix.
-        """
-        if not self._frozen or (self.config.reduction == "sum" and self._scaler.scale == 1.0):
+        """A param outside the window (frozen when it was built, float64, added behind its
+        back) now gets a gradient: it trains natively, its ``.grad`` normalised at the step
+        like the window (DDP averages it natively). A micro-batch cannot be dropped from a native
+        ``.grad``: with ``nonfinite="skip_microbatch"`` this raises, naming the fix."""
+        if self.config.nonfinite != "skip_microbatch":
             return
-        for p in self._frozen:
+        for p in self._outside.refresh():
             if p.requires_grad:
                 name = self._names.get(id(p), f"a param of shape {tuple(p.shape)}")
                 raise ValueError(
-                    f"{name} was frozen when the AccumulatingOptimizer was built and now has a "
-                    f"gradient that reduction={self.config.reduction!r} / loss scaling cannot "
-                    "normalise; unfreeze it before wrapping, or pass its params to "
-                    "add_param_group() between windows")
+                    f"{name} is outside the fp32 window (frozen when the AccumulatingOptimizer "
+                    "was built, float64, or added to param_groups directly) and now has a "
+                    "gradient that nonfinite='skip_microbatch' cannot drop; unfreeze it "
+                    "before wrapping, or pass its params to add_param_group() between windows")
 
-    def _inner_step(self) -> None:
-        """Hand the window to the inner optimizer as ``.grad`` and step it."""
+    def _hand_grads(self) -> list[torch.Tensor]:
+        """Give the window to the inner optimizer as ``.grad``; returns the params that got an
+        own copy in their dtype (``master_weights=False`` with bf16/fp16 params)."""
         touched = self._window.touched
         cast = []
         for p, view in zip(self._params, self._intake.views):
@@ -168,7 +213,10 @@ class StepMixin:
                 cast.append(p)
             else:
                 target.grad = view
-        self.optimizer.step()
+        return cast
+
+    def _after_inner_step(self, cast: list[torch.Tensor]) -> None:
+        self._masters.copy_back()
         for p in cast:
             p.grad = None
         self._intake.expose()  # as native: after the step .grad still shows what it used

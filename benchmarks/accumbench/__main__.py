@@ -1,5 +1,5 @@
-"""``python -m benchmarks.accumbench``: see cli.py or ``--help``."""
+"""``python -m benchmarks.accumbench [step|train]``: see suites.py, cli.py or ``--help``."""
 
-from .cli import main
+from .suites import main
 
 raise SystemExit(main())

@@ -6,7 +6,8 @@ random data, rotating buffer sets so no call hits in cache. Results are effectiv
 also as a fraction of a fp32 copy_ measured in the same run, and speed-ups over each baseline.
 A 300-tensor list then measures host overhead per call. Prints a table to stdout, progress to
 stderr, and writes a JSON record (see benchmarks/results/README.md) and a PNG plot of the flat
-buffers next to it. Exit status 1 if any row is MISMATCH or error.
+buffers next to it. Exit status 1 if any row is MISMATCH or error. Other suites:
+``python -m benchmarks.accumbench step|train ...`` (see suites.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,221 @@
+"""benchmarks/bench_step.py and accumbench.tally on the CPU: well-formed rows, the byte model
+against hand counts, the tally against hand counts (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# bench_step imports the benchmark package (benchmarks/accumbench) the way its scripts do.
+if str(REPO_ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+import bench_step  # noqa: E402
+from accumbench import suites  # noqa: E402
+from accumbench.tally import LiveTensorBytes, TrafficTally  # noqa: E402
+
+REPS = 2
+ROW_NAMES = ["adamw_fused", "adamw_foreach", "wrapper_fp32_sum", "wrapper_fp32_clip",
+             "wrapper_fp32_mean", "wrapper_fp32_dynamic", "adamw_fused+copy_back",
+             "wrapper_bf16_sum", "wrapper_bf16_clip", "wrapper_bf16_mean",
+             "wrapper_bf16_dynamic"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("step") / "step.json"
+    rc = bench_step.main(["--quick", "--device", "cpu", "--reps", str(REPS), "--out", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def test_quick_run_rows_are_well_formed(quick, capsys):
+    rc, record = quick
+    assert rc == 0
+    assert record["benchmark"] == "step"
+    assert record["environment"]["torch"] == torch.__version__
+    assert "triton" in record["environment"] and "git_commit" in record["environment"]
+    cfg = record["config"]
+    assert (cfg["workload"], cfg["n_tensors"], cfg["reps"]) == ("gpt2-tiny", 148, REPS)
+    assert [r["row"] for r in record["rows"]] == ROW_NAMES
+    rows = {r["row"]: r for r in record["rows"]}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["error"] is None, r
+        assert len(r["times_ms"]) == REPS and all(t > 0 for t in r["times_ms"])
+        assert r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+        # every step reached the inner optimizer: warm-up + timed + the tallied one
+        assert r["inner_steps"] == cfg["warmup"] + REPS + 1 and r["skipped_steps"] == 0
+        fused, fair = rows["adamw_fused"], rows[r["fair_baseline"]]
+        assert r["ratio_vs_adamw_fused"] == pytest.approx(r["median_ms"] / fused["median_ms"])
+        assert r["ratio_vs_fair"] == pytest.approx(r["median_ms"] / fair["median_ms"])
+        assert r["counted"]["bytes"] > 0 and r["counted"]["ops"] >= 1
+    assert rows["adamw_fused"]["ratio_vs_adamw_fused"] == 1.0
+    assert rows["wrapper_bf16_sum"]["fair_baseline"] == "adamw_fused+copy_back"
+    assert rows["wrapper_fp32_sum"]["fair_baseline"] == "adamw_fused"
+    assert rows["wrapper_bf16_sum"]["micro_batches"] == 2
+    table = bench_step.format_table(record)
+    assert all(name in table for name in ROW_NAMES)
+    assert "x fused" in table and "counted MB" in table
+
+
+def test_inner_rows_count_what_adamw_moves(quick):
+    """Counted by TrafficTally: fused AdamW moves 28 B per fp32 element (reads p, grad, m, v;
+    writes p, m, v) plus a few bytes per tensor (its step counters)."""
+    _, record = quick
+    rows = {r["row"]: r for r in record["rows"]}
+    numel, n = record["config"]["numel"], record["config"]["n_tensors"]
+    fused = rows["adamw_fused"]["counted"]
+    assert 16 * numel <= fused["read_bytes"] <= 16 * numel + 32 * n
+    assert 12 * numel <= fused["written_bytes"] <= 12 * numel + 32 * n
+    assert fused["scalar_reads"] == 0 and fused["syncs"] == 0
+    # the bf16 model's fair baseline adds a copy-back: read 4 B, write 2 B per element
+    extra = rows["adamw_fused+copy_back"]["counted_bytes_vs_fair"]
+    assert rows["adamw_fused+copy_back"]["counted"]["bytes"] - fused["bytes"] == 6 * numel
+    assert extra == 0  # it is its own fair baseline
+
+
+def test_byte_model_describes_the_current_step(quick):
+    """The documented byte model agrees with what one step's ops moved, row by row (when the
+    step changes, update bench_step.model_passes)."""
+    _, record = quick
+    n = record["config"]["n_tensors"]
+    for r in record["rows"]:
+        if r["row"] == "adamw_foreach":  # the model is AdamW's minimum; foreach moves more
+            assert r["counted"]["bytes"] > 2 * r["model_bytes"]
+            continue
+        assert abs(r["counted"]["bytes"] - r["model_bytes"]) <= 64 * n + 4096, r["row"]
+
+
+def _spec(name: str) -> bench_step.RowSpec:
+    return next(s for s in bench_step.row_specs(list(bench_step.VARIANTS)) if s.name == name)
+
+
+@pytest.mark.parametrize("name,declare_n,expected", [
+    # 17 elements; AdamW: 4 fp32 reads + 3 fp32 writes = 28 B each
+    ("adamw_fused", False, 17 * 28),
+    ("adamw_foreach", False, 17 * 28),
+    ("adamw_fused+copy_back", False, 17 * (28 + 4 + 2)),
+    ("wrapper_fp32_sum", False, 17 * (28 + 4)),  # + inf-norm read of the window
+    ("wrapper_fp32_dynamic", False, 17 * (28 + 4)),  # 1/S is fused into accumulation
+    ("wrapper_fp32_clip", False, 17 * (28 + 4 + 4 + 4)),  # norm read, scale read + write
+    ("wrapper_fp32_mean", False, 17 * (28 + 4 + 8)),  # + the step's normalisation
+    ("wrapper_fp32_mean", True, 17 * (28 + 4)),  # N declared: 1/N fused into accumulation
+    # resync: to(bf16) 4+2, ne 2+2+1, float 2+4, where 1+4+4+4; copy-back 4+2
+    ("wrapper_bf16_sum", False, 17 * (28 + 4 + 30 + 6)),
+    ("wrapper_bf16_clip+mean+dynamic", False, 17 * (28 + 12 + 8 + 30 + 6)),
+])
+def test_byte_model_matches_a_hand_count(name, declare_n, expected):
+    shapes = [(3, 4), (5,)]
+    numel = sum(math.prod(s) for s in shapes)
+    assert numel == 17
+    passes = bench_step.model_passes(_spec(name), numel, 2, declare_n)
+    assert sum(passes.values()) == expected
+    assert passes["inner"] == 17 * 28
+
+
+def test_tally_counts_ops_by_hand():
+    a, b = torch.randn(10), torch.randn(10)
+    with TrafficTally() as t:
+        a.add_(b)  # read 40 + 40, write 40
+    assert (t.read, t.written, t.ops) == (80, 40, 1)
+    with TrafficTally() as t:
+        c = a * 2  # read 40, write 40 (a fresh output)
+        a.copy_(b)  # read 40 (b only), write 40
+        torch._foreach_zero_([c])  # write 40
+        a.view(2, 5)  # a view: nothing moves
+        a.sum().item()  # read 40, write 4; then the host reads 4
+    assert (t.read, t.written) == (40 + 40 + 0 + 40 + 4, 40 + 40 + 40 + 4)
+    assert (t.ops, t.scalar_reads, t.syncs) == (5, 1, 0)
+    assert t.summary()["by_op"]["aten::copy_"] == {"calls": 1, "read_bytes": 40,
+                                                   "written_bytes": 40}
+
+
+def test_tally_fused_adamw_reads_its_grads():
+    p = torch.nn.Parameter(torch.randn(100))
+    p.grad = torch.randn(100)
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    opt.step()  # state allocated outside the tally
+    with TrafficTally() as t:
+        opt.step()
+    fused = t.summary()["by_op"]["aten::_fused_adamw_"]
+    assert fused["read_bytes"] == 4 * 400 + 4  # p, grad, exp_avg, exp_avg_sq, the step
+    assert fused["written_bytes"] == 3 * 400  # p, exp_avg, exp_avg_sq
+
+
+def test_live_tensor_bytes_by_hand():
+    before = torch.randn(1000)  # made before the mode: not counted, nor are its views
+    with LiveTensorBytes() as live:
+        before.view(10, 100).mul_(2)
+        a = torch.empty(100)  # 400 B
+        a.view(10, 10).add_(1)  # a view and an in-place op: nothing new
+        c = a * 2  # 400 B more: the peak, 800
+        del c
+        d = torch.ones(50)  # 200 B: 600 live
+        assert live.current == 600
+    assert live.peak == 800 and live.allocations == 3
+    del a, d
+    assert live.current == 0
+
+
+def test_suites_dispatch_step(tmp_path):
+    out = tmp_path / "s.json"
+    rc = suites.main(["step", "--quick", "--reps", "1", "--variants", "sum", "--no-tally",
+                      "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert rc == 0
+    assert [r["row"] for r in record["rows"]] == ["adamw_fused", "adamw_foreach",
+                                                  "wrapper_fp32_sum", "adamw_fused+copy_back",
+                                                  "wrapper_bf16_sum"]
+    assert all(r["counted"] is None and r["inner_steps"] == 2 for r in record["rows"])
+    assert hasattr(suites.load_suite("train"), "main")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--variants", "nope"], "unknown variant"),
+    (["--micro-batches", "0"], "must be >= 1"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_defaults_depend_on_device():
+    cpu = bench_step.parse_args(["--device", "cpu"])
+    assert (cpu.workload, cpu.reps, cpu.warmup, cpu.threads) == ("gpt2-24m", 7, 1, 1)
+    shapes = [s for _, s in bench_step.WORKLOADS[cpu.workload]()]
+    assert len(shapes) == 148 and sum(math.prod(s) for s in shapes) == 24_538_368
+    gpu = bench_step.parse_args(["--device", "cuda"])  # parsing only: no GPU needed
+    assert (gpu.workload, gpu.reps, gpu.threads) == ("gpt2-124m", 20, 0)
+
+
+def test_a_failing_row_is_recorded_and_the_others_go_on(monkeypatch):
+    monkeypatch.setitem(bench_step.VARIANTS, "bad", {"max_grad_norm": -1.0})
+    init = [torch.randn(3, 4), torch.randn(5)]
+    rsets = {d: [[torch.randn(t.shape).to(dt) for t in init] for _ in range(2)]
+             for d, dt in bench_step.DTYPES.items()}
+    bad = bench_step.StepRow(bench_step.RowSpec("bad", "wrapper", "fp32", "bad"), init, 2, False)
+    assert bad.error.startswith("ValueError") and "max_grad_norm" in bad.error
+    good = bench_step.StepRow(bench_step.RowSpec("adamw_fused", "inner", "fp32"), init, 2, False)
+    broken = bench_step.StepRow(_spec("wrapper_fp32_sum"), init, 2, False)
+
+    def boom() -> None:
+        raise RuntimeError("step failed")
+
+    broken.step = boom
+    bench_step.time_rows([bad, good, broken], rsets, 1, 2, torch.device("cpu"))
+    assert len(good.times) == 2 and bad.times == [] and broken.times == []
+    assert broken.error == "RuntimeError: step failed"
+    args = bench_step.parse_args(["--device", "cpu", "--quick"])
+    records = [bench_step.row_record(r, 17, args, 3, None) for r in (bad, good, broken)]
+    assert [r["status"] for r in records] == ["error", "ok", "error"]
+    assert records[1]["inner_steps"] == 3 and records[1]["median_ms"] > 0
+    # a row whose inner optimizer took fewer steps than it was given is not ok
+    assert bench_step.row_record(good, 17, args, 4, None)["status"] == "MISMATCH"
+    for r in (bad, good, broken):
+        r.close()
