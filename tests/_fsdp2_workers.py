@@ -279,6 +279,95 @@ def scenario_wire_pair(world: int, **kwargs) -> dict:
             "ours": train((world,), wrap=True, wire=True, **kwargs)}
 
 
+def _window_items() -> list[tuple[int, int]]:
+    return [(w, i) for w in range(WINDOWS) for i in range(ACCUM)]
+
+
+CUT = ACCUM + 2  # a checkpoint in the middle of the second window
+
+
+def _go(model, opt, items) -> None:
+    """Micro-batches ``items`` (window, index) of the sync/AdamW/user-clip loop."""
+    rank = dist.get_rank()
+    for w, i in items:
+        x, y = micro_batch(rank, w, i)
+        pred = model(x, use_extra=(w + i) % 2 == 0).float()
+        torch.nn.functional.mse_loss(pred, y).backward()
+        if i == ACCUM - 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+
+
+def _wrapped(world: int):
+    from accumkernels import AccumulatingOptimizer
+
+    model = build((world,))
+    return model, AccumulatingOptimizer(make_inner(model, "adamw"), accumulation_steps=ACCUM,
+                                        model=model)
+
+
+def _params(model) -> list:
+    return [p.detach().full_tensor().clone() for p in model.parameters()]
+
+
+def _load_wrapped(world: int, ckpt: str):
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _wrapped(world)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    return model, opt
+
+
+def scenario_resume(world: int, ckpt: str) -> dict:
+    """Uninterrupted vs saved mid-window with DCP, loaded into a fresh model and wrapper."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _wrapped(world)
+    _go(model, opt, _window_items())
+    straight = _params(model)
+    opt.remove_hooks()
+    model, opt = _wrapped(world)
+    _go(model, opt, _window_items()[:CUT])
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
+    opt.remove_hooks()
+    model, opt = _load_wrapped(world, ckpt)
+    micro_steps = opt.micro_steps
+    _go(model, opt, _window_items()[CUT:])
+    return {"straight": straight, "resumed": _params(model), "micro_steps": micro_steps}
+
+
+def scenario_resume_other_world(world: int, ckpt: str) -> dict:
+    """A checkpoint saved mid-window on 2 ranks, resumed here: the wrapper, and native FSDP2
+    given the same params, AdamW state and the saved window as ``.grad``."""
+    import torch.distributed.checkpoint as dcp
+
+    from accumkernels.optim.fsdp2_checkpoint import init_inner_state
+
+    model, opt = _load_wrapped(world, ckpt)
+    micro_steps = opt.micro_steps
+    _go(model, opt, _window_items()[CUT:])
+    ours = _params(model)
+    opt.remove_hooks()
+    model = build((world,))
+    native = make_inner(model, "adamw")
+    init_inner_state(native)
+    window = [torch.zeros_like(p) for p in model.parameters()]
+    sd = {"model": model.state_dict(), "optim": {**native.state_dict(),
+                                                 "accumkernels": {"window": {"main_grad": window}}}}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    native.load_state_dict({k: sd["optim"][k] for k in ("state", "param_groups")})
+    for p, g in zip(model.parameters(), window):
+        p.grad = g
+    _go(model, native, _window_items()[CUT:])
+    return {"ours": ours, "native": _params(model), "micro_steps": micro_steps,
+            "shard_rows": [tuple(g.to_local().shape) for g in window]}
+
+
 # -- process management -------------------------------------------------------------------------
 def _rank_main(rank: int, world: int, out_dir: str, scenarios: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from accumkernels import backends
 from accumkernels._util import LOW_PRECISION
 from accumkernels.distributed import WindowTotals
+from accumkernels.optim import fsdp2_checkpoint, protocol
 from accumkernels.optim.fsdp2_intake import ShardedIntake, ShardedWindow
 from accumkernels.optim.nonfinite import NonFinite
 from accumkernels.optim.optimizer import AccumulatingOptimizer
@@ -177,6 +178,14 @@ class MeshAgreement:
         self.totals.averaged = self.averaged
         return self.totals
 
+    def agree_for_checkpoint(self, found_inf: torch.Tensor,
+                             weight: float) -> tuple[torch.Tensor, float]:
+        """The OR of every rank's non-finite flag and the world's weight total."""
+        values = torch.cat([found_inf.double().reshape(1),
+                            torch.tensor([weight], dtype=torch.float64).to(found_inf.device)])
+        values = self.all_reduce(values, "checkpoint bookkeeping").tolist()
+        return torch.full_like(found_inf, float(values[0] > 0)), values[1]
+
     def check_world(self) -> None:
         pass
 
@@ -249,6 +258,18 @@ class ShardedAccumulatingOptimizer(AccumulatingOptimizer):
         shown = [v for p, v in zip(self._params, self._intake.views) if id(p) in touched]
         norm = torch.nn.utils.get_total_norm(shown + flats[len(self._buffer.buffers):], 2.0)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def state_dict(self) -> dict:
+        """A torch optimizer state dict whose window is per-param DTensors (for DCP; see
+        accumkernels.optim.fsdp2_checkpoint). Collective: every rank calls it."""
+        self._settle()
+        return protocol.state_dict_with_hooks(self, lambda: fsdp2_checkpoint.assemble(self))
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a ``state_dict()`` (after ``dcp.load`` resharded it to this world size)."""
+        protocol.load_with_hooks(self, state_dict,
+                                 lambda sd: fsdp2_checkpoint.restore(self, sd))
 
     def _first_nonfinite(self) -> str:
         for i, (p, view) in enumerate(zip(self._params, self._buffer.views)):
