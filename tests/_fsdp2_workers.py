@@ -368,6 +368,35 @@ def scenario_resume_other_world(world: int, ckpt: str) -> dict:
             "shard_rows": [tuple(g.to_local().shape) for g in window]}
 
 
+def scenario_nonfinite(world: int) -> dict:
+    """An inf written into one element of rank 1's shard of one param (a hook that runs before
+    the wrapper's, in window 1): the only non-finite value is on rank 1, yet every rank must
+    skip that step; windows 0 and 2 step."""
+    from accumkernels import AccumulatingOptimizer
+
+    model = build((world,))
+    rank = dist.get_rank()
+    target = model.l2.weight
+    state = {"window": 0}
+
+    def poison(p):
+        if rank == 1 and state["window"] == 1:
+            p.grad.to_local()[0, 0] = float("inf")
+    target.register_post_accumulate_grad_hook(poison)
+    opt = AccumulatingOptimizer(make_inner(model, "adamw"), accumulation_steps=ACCUM,
+                                model=model, max_grad_norm=CLIP)
+    params = []
+    for w in range(WINDOWS):
+        state["window"] = w
+        for i in range(ACCUM):
+            x, y = micro_batch(rank, w, i)
+            torch.nn.functional.mse_loss(model(x, use_extra=True).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+        params.append(_params(model))
+    return {"skipped": opt.skipped_steps, "params": params}
+
+
 # -- process management -------------------------------------------------------------------------
 def _rank_main(rank: int, world: int, out_dir: str, scenarios: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _fsdp2_workers import (ACCUM, CLIP, WINDOWS, run_ranks, scenario_memory, scenario_refusals,
-                            scenario_resume, scenario_resume_other_world, scenario_wire_bound,
-                            scenario_wire_pair)
+from _fsdp2_workers import (ACCUM, CLIP, WINDOWS, run_ranks, scenario_memory, scenario_nonfinite,
+                            scenario_refusals, scenario_resume, scenario_resume_other_world,
+                            scenario_wire_bound, scenario_wire_pair)
 
 pytest.importorskip("torch.distributed.fsdp", reason="torch.distributed is not available")
 pytestmark = pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard"),
@@ -38,6 +38,7 @@ TWO_RANKS = {
     "refusals": {"fn": scenario_refusals},
     "wire": {"fn": scenario_wire_pair},
     "wire_nosync": {"fn": scenario_wire_pair, "nosync": "grad"},
+    "nonfinite": {"fn": scenario_nonfinite},
 }
 FOUR_RANKS = {
     "uneven_empty": {},
@@ -211,3 +212,16 @@ def test_dcp_checkpoint_loads_at_another_world_size(four):
         assert r["shard_rows"][1] == (10, 16)  # l1.weight (40 rows) in 4 shards, not 2
         for i, (a, b) in enumerate(zip(r["ours"], r["native"])):
             _equal(a, b, f"rank {rank}, param {i}")
+
+
+def test_nonfinite_on_one_rank_skips_the_step_everywhere(two):
+    """The non-finite decision is agreed over the mesh: an inf in rank 1's shard only skips the
+    window on both ranks (params unchanged by it, identical on both), the others step."""
+    for results in two:
+        r = results["nonfinite"]
+        assert r["skipped"] == 1
+        p0, p1, p2 = r["params"]
+        assert all(torch.equal(a, b) for a, b in zip(p0, p1)), "the poisoned window stepped"
+        assert not all(torch.equal(a, b) for a, b in zip(p1, p2)), "window 2 did not step"
+    for a, b in zip(two[0]["nonfinite"]["params"][-1], two[1]["nonfinite"]["params"][-1]):
+        assert torch.equal(a, b)
