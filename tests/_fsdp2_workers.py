@@ -92,19 +92,22 @@ def local_grads(model) -> list:
 
 def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", clip: str = "user",
           reduction: str = "sum", weights: bool = False, unused: bool = True,
-          wire: bool = False) -> dict:
+          wire: bool = False, outside_clear: bool = False) -> dict:
     """Three windows of ACCUM micro-batches; ``nosync``: "" (sync every micro-batch), "grad"
     (set_requires_gradient_sync) or "allreduce" (HSDP set_requires_all_reduce); ``clip``:
     "user" (clip_grad_norm_ before step) or "wrapper" (max_grad_norm); ``unused``: ``extra``
     and ``gate`` sit out every other micro-batch (FSDP2's HSDP partial reduce cannot take that:
-    its running sum changes size); ``wire``: the opt-in bf16-wire reduce-scatter."""
+    its running sum changes size); ``wire``: the opt-in bf16-wire reduce-scatter;
+    ``outside_clear``: ``model.zero_grad()`` after each window's first micro-batch (natively that
+    drops it; the wrapper, with ``accumulation_steps=None``, must too)."""
     from accumkernels import AccumulatingOptimizer
 
     model = build(mesh_shape)
     rank = dist.get_rank()
     opt = make_inner(model, inner)
     if wrap:
-        opt = AccumulatingOptimizer(opt, accumulation_steps=ACCUM, model=model,
+        opt = AccumulatingOptimizer(opt, accumulation_steps=None if outside_clear else ACCUM,
+                                    model=model,
                                     reduction=reduction,
                                     max_grad_norm=CLIP if clip == "wrapper" else None)
         if wire:
@@ -130,6 +133,8 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
             loss.backward()
             if wrap and weights:
                 opt.add_weight(weight(rank, i))
+            if outside_clear and i == 0:
+                model.zero_grad()
             grads.append(local_grads(model))
         if not wrap and reduction != "sum":  # what the wrapper's reduction means, natively
             total = sum(weight(r, i) for r in range(dist.get_world_size()) for i in range(ACCUM))

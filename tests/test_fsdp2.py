@@ -39,6 +39,7 @@ TWO_RANKS = {
     "wire": {"fn": scenario_wire_pair},
     "wire_nosync": {"fn": scenario_wire_pair, "nosync": "grad"},
     "nonfinite": {"fn": scenario_nonfinite},
+    "outside_clear": {"outside_clear": True},
 }
 FOUR_RANKS = {
     "uneven_empty": {},
@@ -106,7 +107,7 @@ def check_pair(result: dict, name: str, *, scale: float | None = None) -> None:
 
 
 @pytest.mark.parametrize("name", ["sync_adamw", "nosync_sgd_wrapper_clip", "weighted", "wire",
-                                  "wire_nosync"])
+                                  "wire_nosync", "outside_clear"])
 def test_two_ranks_bit_identical_to_native(two, name):
     for rank, results in enumerate(two):
         check_pair(results[name], f"{name}, rank {rank}")

@@ -107,6 +107,7 @@ class ShardedIntake:
         self.pending: dict = {}  # group index -> [(param index, local grad)]
         self.unmoved = 0  # the core's counter; FSDP2 gradients are always moved in backward
         self._active = False
+        self._shown = False  # the window was put in p.grad and not hidden by the wrapper since
         self._end_ref = None
         self.handles: list = []
         me = weakref.ref(self)
@@ -131,6 +132,7 @@ class ShardedIntake:
                 "FSDP2's gradient hooks); run the backward eagerly (torch.compile on the model's "
                 "forward is fine)")
         self.settle()
+        self.cleared_outside()
         self._active = True
         end = _EndOfBackward(self)
         self._end_ref = weakref.ref(end)
@@ -212,14 +214,33 @@ class ShardedIntake:
         for p, shown in zip(self.params, self.views):
             if id(p) in touched and p.grad is not shown:
                 p.grad = shown
+        self._shown = True
 
     def hide_all(self) -> None:
+        self._shown = False
         for p in self.params:
             p.grad = None
 
+    def cleared_outside(self) -> None:
+        """Touched params whose ``.grad`` was cleared from outside (``model.zero_grad()``) since
+        the window was shown: the rule of the wrapper's own ``zero_grad()`` applies."""
+        owner = self._owner()
+        if not self._shown or owner is None:
+            return
+        touched = owner._window.touched
+        cleared = [p for p in self.params if p.grad is None and id(p) in touched]
+        if not cleared or owner._keeps_window():
+            return
+        if len(cleared) == len(touched):
+            owner._reset_window()
+        else:
+            touched.difference_update(id(p) for p in cleared)
+
     def absorb_assigned(self) -> None:
-        """A ``.grad`` the user assigned (not the window) is what p's gradient means now."""
+        """A ``.grad`` the user assigned (not the window) is what p's gradient means now;
+        one cleared from outside is dropped on the wrapper's ``zero_grad()`` rule."""
         self.settle()
+        self.cleared_outside()
         owner = self._owner()
         for i, (p, shown) in enumerate(zip(self.params, self.views)):
             g = p.grad
