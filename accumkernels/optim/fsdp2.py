@@ -29,7 +29,7 @@ from accumkernels.distributed import WindowTotals
 from accumkernels.optim import fsdp2_checkpoint, protocol
 from accumkernels.optim.fsdp2_intake import ShardedIntake, ShardedWindow
 from accumkernels.optim.nonfinite import NonFinite
-from accumkernels.optim.optimizer import AccumulatingOptimizer
+from accumkernels.optim.optimizer import _WINDOW_DTYPES, AccumulatingOptimizer
 
 __all__ = ["ShardedAccumulatingOptimizer", "is_sharded"]
 
@@ -222,8 +222,9 @@ class ShardedAccumulatingOptimizer(AccumulatingOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs):
         params = [p for g in getattr(optimizer, "param_groups", []) for p in g["params"]
-                  if p.requires_grad]
+                  if p.requires_grad and p.dtype in _WINDOW_DTYPES]  # as the core's window
         self._fsdp = check_recipe(params, kwargs.get("model"), kwargs)
+        self._fsdp_model = kwargs["model"]
         super().__init__(optimizer, **kwargs)
         modules, _, mesh = self._fsdp
         weighted = self.config.reduction == "weighted"
@@ -237,9 +238,7 @@ class ShardedAccumulatingOptimizer(AccumulatingOptimizer):
     def _build(self, params: list[torch.Tensor]) -> None:
         for device in {p.device for p in params}:
             backends.resolve(self.config.backend, device)
-        modules, groups, _ = self._fsdp
-        if params is not self._params and self._params:  # add_param_group: regroup
-            modules, groups, _ = self._fsdp = check_recipe(params, modules[-1], {})
+        modules, groups, _ = self._fsdp = check_recipe(params, self._fsdp_model, {})
         if self._intake is not None:
             self._intake.hide_all()
             self._intake.remove()

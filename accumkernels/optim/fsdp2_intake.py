@@ -185,6 +185,9 @@ class ShardedIntake:
         fresh = [(i, g) for i, g in pend if id(self.params[i]) not in touched]
         again = [(i, g) for i, g in pend if id(self.params[i]) in touched]
         scale, flag = owner._prescale(), owner._nonfinite.launch_flag()
+        for _, g in pend:
+            if g.is_cuda:  # a later launch (end of backward) runs on another stream than the
+                g.record_stream(torch.cuda.current_stream(g.device))  # reduce-scatter's
         for items, overwrite in ((fresh, True), (again, False)):
             if items:  # the first write of a window overwrites: no zeroing pass
                 accumulate_([views[i] for i, _ in items], [g for _, g in items], scale,

@@ -103,7 +103,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
 
     def __new__(cls, optimizer=None, *args, **kwargs):
         # FSDP2 (issue 22): DTensor params get their own room, accumkernels.optim.fsdp2
-        if cls is AccumulatingOptimizer:
+        if cls is AccumulatingOptimizer and torch.distributed.is_available():
             from accumkernels.optim import fsdp2
             if fsdp2.is_sharded(optimizer):
                 cls = fsdp2.ShardedAccumulatingOptimizer
