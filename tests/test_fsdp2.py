@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _fsdp2_workers import (ACCUM, CLIP, WINDOWS, run_ranks, scenario_memory, scenario_nonfinite,
-                            scenario_refusals, scenario_resume, scenario_resume_other_world,
-                            scenario_wire_bound, scenario_wire_pair)
+from _fsdp2_scenarios import (scenario_memory, scenario_nonfinite, scenario_refusals,
+                              scenario_resume, scenario_resume_other_world, scenario_wire_bound,
+                              scenario_wire_pair)
+from _fsdp2_workers import ACCUM, CLIP, WINDOWS, run_ranks
 
 pytest.importorskip("torch.distributed.fsdp", reason="torch.distributed is not available")
 pytestmark = pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard"),
