@@ -19,8 +19,9 @@ __all__ = ["foreign_engine_error", "refuse_foreign_engines"]
 
 SUPPORTED = (
     "Supported recipes: DistributedDataParallel (the wrapper, with accumkernels.ddp_comm_hook); "
-    "FSDP2 (fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) and the "
-    "plain optimizer); DeepSpeed's own fp32 accumulation (\"data_types\": {\"grad_accum_dtype\": "
+    "FSDP2 (fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+    "reduce_dtype=torch.float32)) on an fp32 model, and AccumulatingOptimizer(optimizer, "
+    "model=<the fully_shard root>)); DeepSpeed's own fp32 accumulation (\"data_types\": {\"grad_accum_dtype\": "
     "\"fp32\"} in its config, and DeepSpeed's optimizer).")
 
 # Attributes DeepSpeed ZeRO-3 sets on every partitioned param (deepspeed/runtime/zero/

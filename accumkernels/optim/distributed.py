@@ -12,7 +12,8 @@
 * Otherwise, in a job of more than one rank, a step on rank-local gradients would silently
   diverge: the first real step raises, naming ``process_group`` and ``model=``
   (``independent_ranks=True`` opts out, for ranks that deliberately train apart).
-* FSDP2 (``fully_shard``: DTensor params) is refused when the wrapper is built.
+* FSDP2 (``fully_shard``: DTensor params) has its own room, accumkernels.optim.fsdp2;
+  FSDP1 and DeepSpeed-managed params are refused when the wrapper is built (accumkernels._engines).
 """
 
 from __future__ import annotations
@@ -31,21 +32,20 @@ def _world_size() -> int:
 
 
 def refuse_sharded(params: list[torch.Tensor]) -> None:
-    """FSDP2 / tensor-parallel params (DTensor) are not supported: say so before any state."""
+    """DTensor params outside the FSDP2 room (e.g. tensor parallel): say so before any state.
+
+    FSDP1 and DeepSpeed params are refused by accumkernels._engines; FSDP2 params get their own
+    room (accumkernels.optim.fsdp2)."""
     if not dist.is_available():
         return
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return
+    from accumkernels.optim.fsdp2 import RECIPE, _dtensor_type
+
+    dtensor = _dtensor_type()
     for i, p in enumerate(params):
-        if isinstance(p, DTensor):
+        if dtensor is not None and isinstance(p, dtensor):
             raise ValueError(
-                f"AccumulatingOptimizer: param {i} is a DTensor (an FSDP2 fully_shard or tensor-"
-                "parallel model). Sharded params are not supported: FSDP2 reduce-scatters and "
-                "accumulates their gradients itself; for fp32 accumulation use "
-                "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) "
-                "and the plain optimizer.")
+                f"AccumulatingOptimizer: param {i} is a DTensor; FSDP2 params are handled by "
+                f"AccumulatingOptimizer(optimizer, model=...) itself: {RECIPE}")
 
 
 class DataParallel:

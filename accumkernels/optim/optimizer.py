@@ -100,6 +100,16 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
             train apart).
     """
 
+    _takes_dtensors = False  # FSDP2 (issue 22): True in accumkernels.optim.fsdp2's subclass
+
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        # FSDP2 (issue 22): DTensor params get their own room, accumkernels.optim.fsdp2
+        if cls is AccumulatingOptimizer and torch.distributed.is_available():
+            from accumkernels.optim import fsdp2
+            if fsdp2.is_sharded(optimizer):
+                cls = fsdp2.ShardedAccumulatingOptimizer
+        return super().__new__(cls)
+
     def __init__(self, optimizer: torch.optim.Optimizer, *, accumulation_steps=None,
                  reduction="sum", master_weights="auto", accumulate_in_backward=True,
                  max_grad_norm=None, nonfinite="skip_step", loss_scale=None,
@@ -117,7 +127,8 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         params = [p for g in optimizer.param_groups for p in g["params"]
                   if p.requires_grad and p.dtype in _WINDOW_DTYPES]
         refuse_foreign_engines(params, model=model, optimizer=optimizer)  # DeepSpeed, FSDP1
-        refuse_sharded(params)  # FSDP2 (DTensor params): refused before any state is built
+        if not self._takes_dtensors:  # FSDP2 (issue 22): the fsdp2 room checks its own
+            refuse_sharded(params)  # stray DTensor params: refused before any state is built
         # torch.optim.Optimizer.__init__ would build its own param_groups and patch step() to
         # run hooks on every call; the wrapper shares the inner optimizer's groups and runs the
         # hooks around real steps only (optim.protocol).

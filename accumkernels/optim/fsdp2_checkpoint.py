@@ -1,0 +1,98 @@
+"""FSDP2 checkpoints through ``torch.distributed.checkpoint`` (issue 22, item 4).
+
+The wrapper's state dict is the core's (format 3: the inner optimizer's ``state`` and
+``param_groups``, the wrapper's own parts under ``"accumkernels"``) with three FSDP2 changes:
+
+* the window is always present and its fp32 data is one DTensor per param (the window shard,
+  same mesh and placements as the param), so DCP saves each rank's shard and, loading into a
+  wrapper of another world size, reshards it like the params and the inner optimizer's state;
+* the bookkeeping that differs between ranks is saved in its agreed form (found_inf: the OR
+  of every rank's; ``add_weight`` total: every rank's share of the world total), so the
+  replicated copy DCP keeps is right for every rank of any world size;
+* a fresh wrapper's inner optimizer gets its state created first (an lr=0 step on zero
+  gradients, as DCP's ``get_optimizer_state_dict`` does for native optimizers), so
+  ``opt.state_dict()`` of a fresh wrapper is a complete template for ``dcp.load``.
+
+Recipe: ``dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, ...)``; to resume,
+build the model and wrapper, ``sd = {"model": model.state_dict(), "optim": opt.state_dict()}``,
+``dcp.load(sd, ...)``, ``model.load_state_dict(sd["model"])``, ``opt.load_state_dict(sd["optim"])``.
+DCP's ``get_optimizer_state_dict`` keeps only ``state`` and ``param_groups``: use it between
+windows, or the recipe above to resume mid-window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accumkernels.optim import checkpoint
+
+
+@torch.no_grad()
+def init_inner_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create a torch optimizer's lazy state (lr=0 step on zero grads); grads kept as they were."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+def assemble(opt) -> dict:
+    """The wrapper's state dict, FSDP2 form (see the module docstring)."""
+    init_inner_state(opt.optimizer)
+    sd = checkpoint.assemble(opt)
+    own = sd[checkpoint.OWN_KEY]
+    window = {**opt._window.state_dict(opt._params)}
+    found, weight = opt._dp.agree_for_checkpoint(opt._nonfinite.found_inf,
+                                                 opt._window.local_weight())
+    if window["weights"]:
+        window["weights"], window["dropped"] = [weight / opt._dp.world], []
+    window["main_grad"] = [v.detach() for v in opt._intake.views]
+    own["window"] = window
+    own["found_inf"] = found
+    return sd
+
+
+def _flats(opt, saved: object) -> list[torch.Tensor]:
+    """Window shards (DTensors, or local tensors) laid out as this wrapper's flat buffers."""
+    views = opt._buffer.views
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(views):
+        raise ValueError("load_state_dict: the saved window does not match this optimizer's "
+                         "params")
+    flats = {dev: torch.zeros_like(flat) for dev, flat in opt._buffer.buffers.items()}
+    for i, (t, view) in enumerate(zip(saved, views)):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if not isinstance(local, torch.Tensor) or local.shape != view.shape:
+            raise ValueError(
+                f"load_state_dict: window shard {i} has shape "
+                f"{tuple(getattr(local, 'shape', ()))}, this rank's is {tuple(view.shape)} (saved "
+                "at another world size: load it with torch.distributed.checkpoint into this "
+                "wrapper's state_dict(), which reshards it)")
+        flat = flats[view.device]
+        start = view.storage_offset() - opt._buffer.buffers[view.device].storage_offset()
+        flat[start:start + view.numel()].copy_(local.reshape(-1))
+    return list(flats.values())
+
+
+@torch.no_grad()
+def restore(opt, sd: object) -> None:
+    """Load a state dict written by :func:`assemble` (or any the core accepts)."""
+    own = sd.get(checkpoint.OWN_KEY) if isinstance(sd, dict) else None
+    window = own.get("window") if isinstance(own, dict) else None
+    if isinstance(window, dict) and "main_grad" in window:
+        flats = _flats(opt, window["main_grad"])
+        sd = {**sd, checkpoint.OWN_KEY: {**own, "window": {**window, "main_grad": flats}}}
+    checkpoint.restore(opt, sd)
