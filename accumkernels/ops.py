@@ -124,8 +124,9 @@ def accumulate_(
 
     One fused launch for the whole list (per src dtype on Triton). ``scale`` is a real number or
     a 1-element float32 tensor on the device (read by the kernel: no host sync). ``found_inf``,
-    if given, is a 1-element float32 tensor set to 1.0 when any ``src`` element is inf/NaN
-    (never reset; ``dst`` is written all the same). Every argument is validated before anything
+    if given, is a 1-element float32 tensor set to 1.0 when any written ``dst`` element is
+    inf/NaN: a non-finite ``src`` element, or a sum that overflowed fp32 (never reset; ``dst`` is
+    written all the same). Every argument is validated before anything
     is written; errors name the offending index.
     """
     # Fast paths first (lists, a float scale): this prologue is most of a short call's cost.

@@ -34,7 +34,7 @@ struct AccumulateArgs {
   float scale;                // used when scale_ptr is null
   const float* scale_ptr;     // optional: scale read from here (host for CPU, device for CUDA)
   bool overwrite;             // true: dst = scale * src, dst is never read
-  float* found_inf;           // optional: set to 1.0f if any src element is inf/NaN
+  float* found_inf;           // optional: set to 1.0f if any written dst element is inf/NaN
 };
 
 // CPU: parallel over fixed-size chunks of the whole list with `num_threads` threads

@@ -94,12 +94,13 @@ uint32_t run_generic(float* __restrict dst, const void* src, int64_t n, float sc
   uint32_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float x = load_src<kDType>(src, i);
-    if constexpr (kCheck) bad |= is_nonfinite(x);
 #if defined(__FP_FAST_FMAF)  // hardware FMA in the baseline ISA (e.g. aarch64): one rounding
-    dst[i] = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
+    const float y = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
 #else
-    dst[i] = kOverwrite ? scale * x : dst[i] + scale * x;
+    const float y = kOverwrite ? scale * x : dst[i] + scale * x;
 #endif
+    dst[i] = y;
+    if constexpr (kCheck) bad |= is_nonfinite(y);  // a non-finite src, or an overflowed sum
   }
   return bad;
 }
@@ -131,18 +132,21 @@ __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst
       x0 = _mm256_loadu_ps(s32 + i);
       x1 = _mm256_loadu_ps(s32 + i + 8);
     }
-    if constexpr (kCheck) {
-      const __m256i e0 = _mm256_and_si256(_mm256_castps_si256(x0), exp_mask);
-      const __m256i e1 = _mm256_and_si256(_mm256_castps_si256(x1), exp_mask);
+    __m256 y0, y1;
+    if constexpr (kOverwrite) {
+      y0 = _mm256_mul_ps(vscale, x0);
+      y1 = _mm256_mul_ps(vscale, x1);
+    } else {
+      y0 = _mm256_fmadd_ps(vscale, x0, _mm256_loadu_ps(dst + i));
+      y1 = _mm256_fmadd_ps(vscale, x1, _mm256_loadu_ps(dst + i + 8));
+    }
+    _mm256_storeu_ps(dst + i, y0);
+    _mm256_storeu_ps(dst + i + 8, y1);
+    if constexpr (kCheck) {  // on the result: a non-finite src, or an overflowed sum
+      const __m256i e0 = _mm256_and_si256(_mm256_castps_si256(y0), exp_mask);
+      const __m256i e1 = _mm256_and_si256(_mm256_castps_si256(y1), exp_mask);
       bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpeq_epi32(e0, exp_mask),
                                                   _mm256_cmpeq_epi32(e1, exp_mask)));
-    }
-    if constexpr (kOverwrite) {
-      _mm256_storeu_ps(dst + i, _mm256_mul_ps(vscale, x0));
-      _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(vscale, x1));
-    } else {
-      _mm256_storeu_ps(dst + i, _mm256_fmadd_ps(vscale, x0, _mm256_loadu_ps(dst + i)));
-      _mm256_storeu_ps(dst + i + 8, _mm256_fmadd_ps(vscale, x1, _mm256_loadu_ps(dst + i + 8)));
     }
   }
   uint32_t bad_tail = 0;
@@ -151,8 +155,9 @@ __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst
     if constexpr (kDType == kBFloat16) x = bf16_to_float(s16[i]);
     else if constexpr (kDType == kFloat16) x = _cvtsh_ss(s16[i]);
     else x = s32[i];
-    if constexpr (kCheck) bad_tail |= is_nonfinite(x);
-    dst[i] = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
+    const float y = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
+    dst[i] = y;
+    if constexpr (kCheck) bad_tail |= is_nonfinite(y);
   }
   return bad_tail | static_cast<uint32_t>(!_mm256_testz_si256(bad, bad));
 }

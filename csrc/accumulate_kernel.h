@@ -261,8 +261,8 @@ AK_HD bool accumulate_chunk(float* __restrict__ dst, const T* __restrict__ src, 
         if (v < nvec) {
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
-            bad |= nonfinite(x[u][k]);
             d[u][k] = kOverwrite ? scale * x[u][k] : fmaf(scale, x[u][k], d[u][k]);
+            bad |= nonfinite(d[u][k]);  // a non-finite src, or an overflowed sum
           }
           float* out = dst + v * kVec;
           store4(out, d[u][0], d[u][1], d[u][2], d[u][3]);
@@ -276,8 +276,9 @@ AK_HD bool accumulate_chunk(float* __restrict__ dst, const T* __restrict__ src, 
 #pragma unroll 4
   for (int i = scalar_from + thread; i < len; i += kBlockThreads) {
     const float x = to_float(src[i]);
-    bad |= nonfinite(x);
-    dst[i] = kOverwrite ? scale * x : fmaf(scale, x, dst[i]);
+    const float y = kOverwrite ? scale * x : fmaf(scale, x, dst[i]);
+    dst[i] = y;
+    bad |= nonfinite(y);
   }
   return bad;
 }

@@ -155,8 +155,28 @@ def found_inf_vector(backend: str, device, quick: bool = False) -> None:
             _check(refs, dst, f"found_inf, {dtype}, src[{t}][{i}]")
             clean = [rand_src(k, dtype, device) for k in sizes]
             fresh = torch.zeros((), device=device)
-            accumkernels.accumulate_(dst, clean, 0.5, found_inf=fresh, backend=backend)
+            clean_dst = [rand_dst(k, device) for k in sizes]
+            accumkernels.accumulate_(clean_dst, clean, 0.5, found_inf=fresh, backend=backend)
             assert fresh.item() == 0.0, f"{dtype}: found_inf raised on finite data"
+
+
+def found_inf_overflow(backend: str, device, quick: bool = False) -> None:
+    """Finite src, one fp32 sum past FLT_MAX (vector part, a later chunk, a tail): flagged; the
+    same sums one binade lower: not flagged (the flag reports the written result)."""
+    sizes = (2 * CHUNK + 5, 5003, 3 * CHUNK)
+    big = torch.finfo(torch.float32).max
+    for dtype in DTYPES:
+        for t, i in ((0, 100), (2, CHUNK + 1024), (0, 2 * CHUNK + 4), (1, 4999)):
+            flags = []
+            for share in (0.25, 0.75):  # 2**127 + share * FLT_MAX overflows for 0.75 only
+                dst = [rand_dst(k, device) for k in sizes]
+                src = [rand_src(k, dtype, device) for k in sizes]
+                src[t][i], dst[t][i] = 2.0 ** 12, big * share
+                found_inf = torch.zeros(1, device=device)
+                accumkernels.accumulate_(dst, src, 2.0 ** 115, found_inf=found_inf,
+                                         backend=backend)
+                flags.append(found_inf.item())
+            assert flags == [0.0, 1.0], f"{dtype}: overflow at dst[{t}][{i}]: flags {flags}"
 
 
 def scale_tensor(backend: str, device, quick: bool = False) -> None:
@@ -211,6 +231,7 @@ def side_stream(backend: str, device, quick: bool = False) -> None:
 CASES = {
     "unaligned_views": (unaligned_views, False),
     "found_inf_vector": (found_inf_vector, False),
+    "found_inf_overflow": (found_inf_overflow, False),
     "scale_tensor": (scale_tensor, False),
     "overwrite": (overwrite, False),
     "side_stream": (side_stream, True),

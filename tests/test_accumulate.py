@@ -135,8 +135,40 @@ def test_found_inf(device, backend, dtype, bad):
     accumkernels.accumulate_(dst, clean, 0.5, found_inf=found_inf, backend=backend)
     assert found_inf.item() == 1.0
     fresh = torch.zeros((), device=device)
-    accumkernels.accumulate_(dst, clean, 0.5, found_inf=fresh, backend=backend)
+    clean_dst = [rand_dst(d.numel(), device) for d in dst]
+    accumkernels.accumulate_(clean_dst, clean, 0.5, found_inf=fresh, backend=backend)
     assert fresh.item() == 0.0
+    # A dst already holding the bad value stays non-finite: the flag reports the result.
+    accumkernels.accumulate_(dst, clean, 0.5, found_inf=fresh, backend=backend)
+    assert fresh.item() == 1.0
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", [0, 17, 4096], ids=["first", "vector-body", "tail"])
+@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite"])
+def test_found_inf_flags_an_overflowed_sum(device, backend, dtype, where, overwrite):
+    """Every src element finite, one fp32 result overflows (dst + s*x past FLT_MAX, or s*x alone
+    with overwrite): the flag is set, so a window's sum needs no separate finiteness pass. The
+    same call one binade lower stays finite and leaves the flag clear. Scale 2**115: the other
+    elements (|x| < 2**9) stay below 2**124."""
+    big, scale = torch.finfo(torch.float32).max, 2.0 ** 115
+    results = []
+    for high in (False, True):
+        src = [rand_src(4097, dtype, device)]
+        dst = [rand_dst(4097, device)]
+        if overwrite:  # s * 2**12 = 2**127 is finite, s * 2**13 = 2**128 is not
+            src[0][where] = 2.0 ** (13 if high else 12)
+        else:  # 2**127 + 0.75 * FLT_MAX overflows, 2**127 + 0.25 * FLT_MAX does not
+            src[0][where] = 2.0 ** 12
+            dst[0][where] = big * (0.75 if high else 0.25)
+        found_inf = torch.zeros(1, device=device)
+        accumkernels.accumulate_(dst, src, scale, overwrite=overwrite, found_inf=found_inf,
+                                 backend=backend)
+        assert bool(torch.isinf(dst[0][where])) == high, "test setup: wrong overflow"
+        assert bool(torch.isfinite(dst[0][:where]).all() and torch.isfinite(dst[0][where + 1:]).all())
+        results.append(found_inf.item())
+    assert results == [0.0, 1.0]
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)

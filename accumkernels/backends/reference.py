@@ -30,7 +30,7 @@ def accumulate(
         else:
             d.add_(x32 * s)
         if found_inf is not None:
-            bad = ~torch.isfinite(x).all()
+            bad = ~torch.isfinite(d).all()  # the result: a non-finite src or an overflow
             any_bad = bad if any_bad is None else any_bad | bad
     if any_bad is not None:
         found_inf.masked_fill_(any_bad, 1.0)

@@ -74,8 +74,10 @@ if triton is not None:
             tl.store(d_ptrs, y, mask=mask)
         else:
             tl.store(d_ptrs, y)
-        if CHECK_FINITE:  # masked-out lanes hold 0
-            nonfinite = (x != x) | (tl.abs(x) == float("inf"))  # noqa: PLR0124
+        if CHECK_FINITE:  # on the result: a non-finite src, or an overflowed sum
+            nonfinite = (y != y) | (tl.abs(y) == float("inf"))  # noqa: PLR0124
+            if MASKED:
+                nonfinite = nonfinite & mask
             bad = tl.max(nonfinite.to(tl.int32), axis=0)
             if bad > 0:
                 tl.store(found_inf_ptr, 1.0)
@@ -90,7 +92,7 @@ if triton is not None:
         src_base,  # source dtype*: the same for src (table[1, i])
         scale_ptr,  # float32* device scale, read when SCALE_FROM_PTR
         scale,  # float scale, used otherwise
-        found_inf_ptr,  # float32* set to 1.0 on any inf/NaN in src, when CHECK_FINITE
+        found_inf_ptr,  # float32* set to 1.0 on any inf/NaN result, when CHECK_FINITE
         SCALE_FROM_PTR: tl.constexpr,
         OVERWRITE: tl.constexpr,  # write scale*src without reading dst
         CHECK_FINITE: tl.constexpr,
