@@ -3,34 +3,29 @@
     python -m benchmarks.bench_fsdp2 [--world 2 4] [--out PATH] [--dim 1024 --layers 4]
 
 Spawns its own gloo ranks (a FileStore in a temporary directory, a deadline, a barrier before
-``destroy_process_group``). The model is ``layers`` x (Linear(dim, dim), Tanh), fp32 params,
-each Linear and the root under ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)``; AdamW; K micro-batches per window, every rank its own data. Rows:
+``destroy_process_group``). Model: ``layers`` x (Linear(dim, dim), Tanh), fp32 params, each
+Linear and the root under ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``; AdamW; K micro-batches per window, every rank its own data. Rows (ROWS):
+native FSDP2 syncing every micro-batch (torchtitan's default) or with
+``set_requires_gradient_sync(False)`` for the first K-1; ``AccumulatingOptimizer(AdamW,
+model=root)`` syncing every micro-batch, + ``fsdp2_wire.enable_bf16_reduce_scatter``, no-sync.
 
-* ``native_sync``: native FSDP2, a reduce-scatter every micro-batch (torchtitan's default);
-* ``native_nosync``: native FSDP2, ``set_requires_gradient_sync(False)`` for the first K-1;
-* ``accum_sync``: ``AccumulatingOptimizer(AdamW, model=root)``, sync every micro-batch;
-* ``accum_bf16_wire``: the same + ``fsdp2_wire.enable_bf16_reduce_scatter`` (opt-in);
-* ``accum_nosync``: the wrapper with FSDP2's ``set_requires_gradient_sync(False)``.
+Memory (each row alone in its rank process, after a warm-up window): bytes of every distinct
+tensor storage the garbage collector reaches (DTensors by their local shard), above one
+baseline per rank: ``native_sync`` at a window boundary (after ``zero_grad()``, AdamW state
+allocated) = params + optimizer state + the process. So the optimizer state is excluded and the
+wrapper's persistent window included. ``grad_mid``: after a backward inside the window (the
+largest); ``held``: at the boundary; ``peak``: held + the peak of the storages created during
+the window's forwards and backwards (accumbench.tally.LiveTensorBytes, a dispatch mode):
+activations, all-gathered params and reduce-scatter buffers included, not only gradients.
 
-Memory (each row alone in its rank process, after one warm-up window): the bytes of every
-distinct tensor storage the garbage collector can reach (DTensors by their local shard). The
-baseline, per rank, is ``native_sync`` at a window boundary (after ``zero_grad()``, AdamW state
-allocated): params + optimizer state + the rest of the process; every row is reported above
-that same baseline, so the optimizer state is excluded and the wrapper's persistent window is
-included. ``grad_mid``: after each backward but the last of a window (the largest); ``held``:
-at the window boundary; ``peak``: held + the peak of the storages created during the window's
-forwards and backwards (a dispatch mode, benchmarks/accumbench/tally.py ``LiveTensorBytes``):
-it includes activations, all-gathered params and reduce-scatter buffers, not only gradients.
-
-Wire (every window of the timed phase): the collectives are counted where they are called,
-in ``torch.distributed`` (wrapped functions, native FSDP2's code path unchanged), as the bytes
-one rank must send: reduce-scatter (W-1)/W x input, all-to-all (W-1)/W x input, all-gather
-(W-1) x input, all-reduce 2 (W-1)/W x input (a ring). ``rs`` = reduce-scatter + all-to-all (the
-gradient wire); ``expected`` is K (or 1 for no-sync) x 4 (2 for the bf16 wire) x (W-1)/W x the
-padded param count. Time: wall clock per window (K forward/backward + step + zero_grad), after
-a barrier, the slowest rank's; rows interleaved window by window; median of ``--windows``.
-Agreement: max |param - native_sync's param| after the warm-up + timed windows.
+Wire (every window of the timed phase): collectives counted where they are called, in
+``torch.distributed`` (wrapped functions: FSDP2's own code path unchanged), as the bytes one rank
+sends: reduce-scatter and all-to-all (W-1)/W x input, all-gather (W-1) x input, all-reduce
+2 (W-1)/W x input (ring). ``rs`` = reduce-scatter + all-to-all; ``expected`` = K (1 for no-sync)
+x 4 (2 for the bf16 wire) x (W-1)/W x the padded param count. Time: wall clock of a window (K
+forward/backward, step, zero_grad) after a barrier, the slowest rank's, rows interleaved window
+by window. Agreement: max |param - native's| after the warm-up + timed windows.
 """
 
 from __future__ import annotations
@@ -88,15 +83,15 @@ class Config:
 # -- rank side -----------------------------------------------------------------------------------
 class WireCounter:
     """Wraps the torch.distributed collectives FSDP2 and accumkernels call; counts the bytes
-    one rank sends, per row (``self.row``) and kind."""
+    one rank sends, by kind."""
 
     KINDS = {"reduce_scatter_single": "rs", "reduce_scatter_tensor": "rs",
              "all_to_all_single": "rs", "all_gather_single": "all_gather",
              "all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce"}
 
     def __init__(self):
-        self.row: str | None = None
-        self.bytes: dict[tuple[str, str], int] = {}
+        self.row: str | None = None  # counting while set
+        self.bytes: dict[str, int] = {}
         self.saved: dict = {}
 
     def sent(self, name: str, tensor: torch.Tensor, world: int) -> int:
@@ -111,9 +106,8 @@ class WireCounter:
             bound = sig.bind(*args, **kwargs).arguments
             tensor = bound.get("tensor", bound.get("input", bound.get("input_tensor")))
             if self.row is not None and isinstance(tensor, torch.Tensor):
-                key = (self.row, self.KINDS[name])
-                world = dist.get_world_size(bound.get("group"))
-                self.bytes[key] = self.bytes.get(key, 0) + self.sent(name, tensor, world)
+                kind, world = self.KINDS[name], dist.get_world_size(bound.get("group"))
+                self.bytes[kind] = self.bytes.get(kind, 0) + self.sent(name, tensor, world)
             return fn(*args, **kwargs)
         return counted
 
@@ -224,7 +218,7 @@ def timed_rows(cfg: Config, mesh, rank: int, counter: WireCounter) -> dict:
             window(cfg, model, opt, row, rank, w)
             elapsed = time.perf_counter() - start
             counter.row = None
-            wire[row].append({kind: n for (_, kind), n in counter.bytes.items()})
+            wire[row].append(counter.bytes)
             if w >= cfg.warmup:
                 times[row].append(elapsed)
     ref = {row: [p.detach().to_local() for p in built[row][0].parameters()] for row in names}
@@ -313,10 +307,9 @@ def summarize(cfg: Config, world: int, ranks: list[dict]) -> dict:
         mid = [max(m["after_backward"][:-1]) - b for m, b in zip(mem, base)]
         held = [m["held"] - b for m, b in zip(mem, base)]
         peak = [m["held"] + m["peak_new"] - b for m, b in zip(mem, base)]
-        per_window = [r["timed"]["wire"][row] for r in ranks]
-        rs = [[w.get("rs", 0) for w in pw] for pw in per_window]
-        reduce = [[w.get("all_reduce", 0) for w in pw] for pw in per_window]
-        gather = [[w.get("all_gather", 0) for w in pw] for pw in per_window]
+        wire_bytes = {kind: [[w.get(kind, 0) for w in r["timed"]["wire"][row]] for r in ranks]
+                      for kind in ("rs", "all_reduce", "all_gather")}  # [rank][window]
+        rs = wire_bytes["rs"]
         expected = ((1 if nosync else cfg.accum) * (2 if wire else 4)
                     * (world - 1) * padded // world)
         slowest = [max(ts) for ts in zip(*(r["timed"]["times"][row] for r in ranks))]
@@ -329,14 +322,12 @@ def summarize(cfg: Config, world: int, ranks: list[dict]) -> dict:
             "rs_bytes_per_window": rs, "rs_b_per_param": max(map(max, rs)) / numel,
             "rs_expected_bytes": expected,
             "rs_matches_expected": all(n == expected for ns in rs for n in ns),
-            "all_reduce_bytes_per_window": reduce, "all_gather_bytes_per_window": gather,
+            "all_reduce_bytes_per_window": wire_bytes["all_reduce"],
+            "all_gather_bytes_per_window": wire_bytes["all_gather"],
             "window_s": slowest, "window_ms_median": 1e3 * statistics.median(slowest),
             "window_ms_min": 1e3 * min(slowest),
-            "max_abs_diff_vs_native_sync": max(r["timed"]["diff_vs_native_sync"][row]
-                                               for r in ranks),
-            "max_abs_diff_vs_native_nosync": max(r["timed"]["diff_vs_native_nosync"][row]
-                                                 for r in ranks),
-            "max_abs_update": max(r["timed"]["update"][row] for r in ranks),
+            **{f"max_abs_{key}": max(r["timed"][key][row] for r in ranks)
+               for key in ("diff_vs_native_sync", "diff_vs_native_nosync", "update")},
         })
     own = [r["timed"]["bf16_comm"] for r in ranks]  # the bf16 comm's own count, all windows
     wire_rs = next(r["rs_bytes_per_window"] for r in rows if r["bf16_wire"])
@@ -347,26 +338,35 @@ def summarize(cfg: Config, world: int, ranks: list[dict]) -> dict:
 
 
 def format_table(record: dict) -> str:
-    """The markdown table (B/param per rank; the worst rank), one block per world size."""
-    cfg = record["config"]
-    lines = [f"FSDP2 on CPU/gloo: {cfg['layers']} x Linear({cfg['dim']}, {cfg['dim']}) "
-             f"({cfg['numel']:,} params, fp32 shards, bf16 compute, fp32 reduce), AdamW, "
-             f"K = {cfg['accum']} micro-batches of {cfg['batch']} per rank; torch "
-             f"{record['environment']['torch']}, commit {record['environment']['git_commit']}.",
-             "", "Memory in bytes per param per rank above the same baseline (params + AdamW "
-             "state + process, i.e. native FSDP2 at a window boundary); wire = reduce-scatter "
-             "bytes one rank sends per window; time = median window of the slowest rank. "
-             + TIME_NOTE, ""]
+    """The markdown tables (per rank, the worst rank), one per world size, and their legend."""
+    cfg, env = record["config"], record["environment"]
+    lines = [f"FSDP2 on CPU/gloo ({env['cpu_name']}, {env['cpu_count']} cores): "
+             f"{cfg['layers']} x Linear({cfg['dim']}, {cfg['dim']}) ({cfg['numel']:,} params), "
+             f"fp32 shards, bf16 compute, fp32 reduce, AdamW, K = {cfg['accum']} micro-batches "
+             f"of {cfg['batch']} per rank and window; torch {env['torch']}, commit "
+             f"{env['git_commit']}.", "",
+             "Bytes per param per rank. Memory is live tensor storage above one baseline (params "
+             "+ AdamW state + the process: native FSDP2 at a window boundary): *grad mid* after "
+             "a backward inside the window, *held* at the window boundary, *peak* during the "
+             "window's forwards and backwards (activations, all-gathered params and "
+             "reduce-scatter buffers included). *RS wire*: reduce-scatter (and all-to-all) bytes "
+             "one rank sends per window, counted. *diff*: max |param| difference from row 1 / "
+             f"row 2 after {cfg['warmup'] + cfg['windows']} windows. *time*: median window of the "
+             f"slowest rank over {cfg['windows']}. " + TIME_NOTE, ""]
     for res in record["results"]:
-        lines += [f"W = {res['world']} ranks ({res['local_numel'][0]:,} params per rank)", "",
-                  "| # | recipe | grad mid-window | held between windows | peak in window | "
-                  "RS wire / window | time / window (ms) | max abs diff vs 1 |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        base = max(res["baseline_bytes"]) / res["numel"]
+        extra = max(max(map(max, r["all_reduce_bytes_per_window"])) for r in res["rows"])
+        lines += [f"W = {res['world']} ranks ({res['local_numel'][0]:,} params per rank; "
+                  f"baseline {base:.2f} B/param; the wrapper also all-reduces {extra} B per "
+                  "window of bookkeeping)", "",
+                  "| # | recipe | grad mid | held | peak | RS wire | time (ms) | diff vs 1 "
+                  "| diff vs 2 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for i, r in enumerate(res["rows"], 1):
             lines.append(f"| {i} | {r['label']} | {r['grad_mid_b_per_param']:.2f} | "
                          f"{r['held_b_per_param']:.2f} | {r['peak_b_per_param']:.2f} | "
                          f"{r['rs_b_per_param']:.2f} | {r['window_ms_median']:.0f} | "
-                         f"{r['max_abs_diff_vs_native_sync']:.3g} |")
+                         f"{r['max_abs_diff_vs_native_sync']:.3g} | "
+                         f"{r['max_abs_diff_vs_native_nosync']:.3g} |")
         lines.append("")
     return "\n".join(lines)
 
