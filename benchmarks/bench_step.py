@@ -29,14 +29,21 @@ exp_avg_sq: 28 B (the minimum; the foreach path makes several passes, see ``coun
 wrapper's step adds, pass by pass, as its code did when this was written (stepping.py,
 nonfinite.py, masters.py; update ``model_passes`` when the step changes):
 
-* ``finite_check`` (no clipping): ``vector_norm(ord=inf)`` of the window: read 4;
-* ``clip_norm`` + ``clip_scale`` (``max_grad_norm``): a 2-norm of the window (read 4), then
-  ``mul_`` by the coefficient (read 4 + write 4); the finite norm answers the finiteness check;
-* ``normalise`` (``mean`` when the step learns N, i.e. ``accumulation_steps=None`` and more than
-  one micro-batch): ``_foreach_mul_`` of the window: 8. With ``--declare-n`` the 1/N is fused
-  into accumulation; the loss-scale's 1/S always is: 0 at the step;
-* ``resync`` (bf16): ``m.to(bf16)`` (4 + b), ``p.ne(.)`` (2b + 1 bool), ``p.float()`` (b + 4),
-  ``where(changed, ., m, out=m)`` (1 + 4 + 4 + 4): 22 + 4b;
+* finiteness: 0. The accumulate kernels flag a non-finite result (a non-finite gradient or an
+  overflowed sum) as they write the window; the step reads that flag (one host sync). Only a
+  window summed over ``process_group`` ranks or rescaled by more than 1 (``weighted``) gets a
+  max-abs pass (4);
+* ``clip_norm`` (``max_grad_norm``): a 2-norm of the window (read 4);
+* ``grad_scale`` (clipping, or ``mean`` when the step learns N, i.e. ``accumulation_steps=None``
+  and more than one micro-batch): no pass of its own. The fused inner AdamW divides the
+  gradients by its ``grad_scale`` (given 1 / (normalisation * clip coefficient)) in its own pass
+  and writes them back: write 4. (A non-fused inner optimizer gets ``_foreach_mul_`` passes
+  instead, 8 each: not in these rows.) With ``--declare-n`` the 1/N is fused into accumulation;
+  the loss-scale's 1/S always is: 0 at the step;
+* ``resync`` (bf16): on the CPU one native pass reads the master and the weight and writes only
+  the elements that differ: 4 + b (elsewhere, until a device kernel exists, torch ops per
+  param: ``m.to(bf16)`` 4 + b, ``p.ne(.)`` 2b + 1, ``p.float()`` b + 4, ``where(...)`` 13:
+  22 + 4b);
 * ``copy_back`` (bf16, and the fair row): read the master, write the param: 4 + b.
 """
 
@@ -55,6 +62,7 @@ from pathlib import Path
 import torch
 
 import accumkernels
+from accumkernels.backends import native
 from accumbench.env import default_out_path, environment
 from accumbench.measure import quantiles
 from accumbench.report import json_safe
@@ -108,8 +116,8 @@ def row_specs(variants: list[str]) -> list[RowSpec]:
                for v in variants])
 
 
-def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool
-                 ) -> dict[str, int]:
+def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool,
+                 native_resync: bool = True) -> dict[str, int]:
     """Bytes per step by pass, by the model in the module docstring."""
     b = DTYPES[spec.dtype].itemsize
     passes = {"inner": INNER_BYTES * numel}
@@ -118,15 +126,13 @@ def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool
     if spec.kind != "wrapper":
         return passes
     opts = spec.options
-    if opts.get("reduction") == "mean" and not declare_n and micro_batches > 1:
-        passes["normalise"] = 8 * numel
+    normalise = opts.get("reduction") == "mean" and not declare_n and micro_batches > 1
     if "max_grad_norm" in opts:
         passes["clip_norm"] = 4 * numel
-        passes["clip_scale"] = 8 * numel
-    else:
-        passes["finite_check"] = 4 * numel
+    if normalise or "max_grad_norm" in opts:
+        passes["grad_scale"] = 4 * numel  # fused AdamW writes the divided gradient back
     if b < 4:
-        passes["resync"] = (22 + 4 * b) * numel
+        passes["resync"] = (4 + b) * numel if native_resync else (22 + 4 * b) * numel
         passes["copy_back"] = (4 + b) * numel
     return passes
 
@@ -250,7 +256,8 @@ def row_record(row: StepRow, numel: int, args: argparse.Namespace, expected_step
                tally: dict | None) -> dict:
     """One row of the record (timing, ratios filled in later, byte model, tally, status)."""
     spec = row.spec
-    passes = model_passes(spec, numel, args.micro_batches, args.declare_n)
+    native_resync = torch.device(args.device).type == "cpu" and native.resync_masters_cpu is not None
+    passes = model_passes(spec, numel, args.micro_batches, args.declare_n, native_resync)
     skipped = getattr(row.opt, "skipped_steps", 0)
     steps = row.inner_steps()
     status = "error" if row.error else (
@@ -264,6 +271,8 @@ def row_record(row: StepRow, numel: int, args: argparse.Namespace, expected_step
             "median_ms": med, "p20_ms": p20, "p80_ms": p80, "times_ms": row.times,
             "ratio_vs_adamw_fused": None, "ratio_vs_fair": None,
             "model_bytes": model_bytes, "model_bytes_by_pass": passes,
+            # passes outside aten (a native call): TrafficTally's "counted" cannot see them
+            "uncounted_passes": ["resync"] if native_resync and "resync" in passes else [],
             "model_gbps": model_bytes / med / 1e6 if med else None,
             "counted": tally}
 

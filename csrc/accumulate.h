@@ -49,6 +49,9 @@ int64_t set_cpu_parallel_threshold(int64_t elements);
 
 // Which SIMD path the CPU kernel picked at run time, e.g. "avx2+fma+f16c" or "generic".
 std::string cpu_simd_name();
+// fp32 masters <- bf16/fp16 weights where the weight != the rounded master; returns how many
+// elements were taken (-1: fp16 unsupported on this build). Host memory, contiguous.
+int64_t resync_masters_cpu(float* master, const uint16_t* weight, int64_t n, int dtype);
 bool cpu_has_openmp();
 
 // CUDA: one launch for the whole list on `stream` (a cudaStream_t) of `device` (< 0: the

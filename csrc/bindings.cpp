@@ -246,6 +246,29 @@ PYBIND11_MODULE(_C, m) {
         "Override that threshold (benchmarks measure the crossover with it); returns the old one.");
 
   m.def(
+      "resync_masters_cpu",
+      [](const std::vector<uint64_t>& masters, const std::vector<uint64_t>& weights,
+         const std::vector<int64_t>& numels, int dtype) {
+        if (masters.size() != weights.size() || masters.size() != numels.size())
+          throw std::invalid_argument("resync_masters_cpu: list lengths differ");
+        if (dtype != ak::kBFloat16 && dtype != ak::kFloat16)
+          throw std::invalid_argument("resync_masters_cpu: weights must be bf16 or fp16");
+        py::gil_scoped_release no_gil;
+        int64_t taken = 0;
+        for (size_t k = 0; k < masters.size(); ++k) {
+          const int64_t t = ak::resync_masters_cpu(reinterpret_cast<float*>(masters[k]),
+                                                   reinterpret_cast<const uint16_t*>(weights[k]),
+                                                   numels[k], dtype);
+          if (t < 0) return t;
+          taken += t;
+        }
+        return taken;
+      },
+      py::arg("masters"), py::arg("weights"), py::arg("numels"), py::arg("dtype"),
+      "fp32 masters[k] <- weights[k] wherever weights[k] != masters[k] rounded to dtype "
+      "(contiguous host memory); returns the elements taken, -1 if fp16 is unsupported.");
+
+  m.def(
       "accumulate_cpu",
       [](py::handle dst_ptrs, py::handle src_ptrs, py::handle numels, py::handle src_dtypes,
          double scale, uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr,

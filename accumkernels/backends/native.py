@@ -28,6 +28,9 @@ except ImportError as exc:  # not built: only the torch/triton backends are usab
 else:
     IMPORT_ERROR = None
 
+# fp32 masters <- bf16/fp16 weights that differ from the rounded master (optim.masters)
+resync_masters_cpu = getattr(_C, "resync_masters_cpu", None)
+
 # dtype -> the extension's source dtype code (exported by _C itself)
 DTYPE_CODES: dict[torch.dtype, int] = {} if _C is None else {
     torch.float32: _C.DTYPE_FLOAT32, torch.bfloat16: _C.DTYPE_BFLOAT16,

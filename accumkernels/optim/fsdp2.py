@@ -209,8 +209,9 @@ class MeshNonFinite(NonFinite):
         super().__init__(config, device)
         self.agreement = agreement
 
-    def window_finite(self, flats: list[torch.Tensor], norm: torch.Tensor | None) -> bool:
-        bad = torch.tensor([0.0 if super().window_finite(flats, norm) else 1.0],
+    def window_finite(self, flats: list[torch.Tensor], norm: torch.Tensor | None,
+                      exact: bool = False) -> bool:
+        bad = torch.tensor([0.0 if super().window_finite(flats, norm, exact) else 1.0],
                            device=self.found_inf.device)
         return not bool(self.agreement.all_reduce(bad, "non-finite check").item())
 
@@ -249,6 +250,9 @@ class ShardedAccumulatingOptimizer(AccumulatingOptimizer):
             p.main_grad = shown
         self._outside.rebuild({id(p) for p in params})
         self._intake = ShardedIntake(self, params, window, groups, modules)
+
+    def _foldable(self) -> bool:
+        return False  # the window's factors stay explicit passes over the DTensor shards
 
     def _clip_norm(self, flats: list[torch.Tensor]) -> torch.Tensor:
         """The global 2-norm of the window (and of the native ``.grad`` of params outside it,

@@ -23,8 +23,13 @@ What a change means:
 * a view whose ``.data`` was swapped, to a copy of the same dtype and device (a dtype or
   device round trip): its current values are taken back into the buffer and it aliases the
   buffer again, as native ``.grad`` would hold those values;
-* a param whose dtype or device changed after the wrapper was built: ``ValueError``, raised
-  before anything of the micro-batch is counted or written.
+* a param moved to another device after the wrapper was built (``model.to(device)`` after
+  wrapping: the HF Trainer's ``optimizers=``, "wrap before ``prepare``"): the wrapper follows
+  it (:func:`follow_move`) before anything of the micro-batch lands: the window (with what it
+  holds), the master weights and the inner optimizer's state move with the params, and the
+  launch plans are rebuilt for the new storage (nothing is written through the old pointers);
+* a param whose dtype changed after the wrapper was built (``model.half()``): ``ValueError``,
+  raised before anything of the micro-batch is counted or written.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ class Guard:
         intake = self.intake
         p = intake.params[i]
         if p.dtype is not self.dtypes[i] or p.device != self.devices[i]:
-            self._raise_changed(i)
+            self._changed(i)
+            return  # a new guard (and buffer) checks from here on
         if grad is not None and grad.layout is not torch.strided:
             raise ValueError(f"{self._name(i)} got a {grad.layout} gradient (e.g. "
                              "nn.Embedding(sparse=True)); the fp32 window holds dense gradients "
@@ -66,7 +72,8 @@ class Guard:
         intake = self.intake
         for i, p in enumerate(intake.params):
             if p.dtype is not self.dtypes[i] or p.device != self.devices[i]:
-                self._raise_changed(i)
+                self._changed(i)
+                return
         self.check_views()
         if self.shown:
             self.cleared_outside()
@@ -114,10 +121,61 @@ class Guard:
         names = owner._names if owner is not None else {}
         return names.get(id(p), f"param {i} (shape {tuple(p.shape)})")
 
+    def _changed(self, i: int) -> None:
+        """Param i's dtype or device is not what it was: follow a pure device move, else raise."""
+        owner = self.intake._owner()
+        dtypes_kept = all(p.dtype is d for p, d in zip(self.intake.params, self.dtypes))
+        if owner is None or not dtypes_kept or owner._dp.active or self.intake.pending:
+            self._raise_changed(i)
+        follow_move(owner)
+
     def _raise_changed(self, i: int) -> None:
         p = self.intake.params[i]
         raise ValueError(
             f"{self._name(i)} is now {p.dtype} on {p.device}, but was {self.dtypes[i]} on "
-            f"{self.devices[i]} when the AccumulatingOptimizer was built (the model was cast or "
-            "moved after wrapping, e.g. model.half() or model.to(device)). Cast and move the "
-            "model first, then build the optimizer and the wrapper")
+            f"{self.devices[i]} when the AccumulatingOptimizer was built (the model was cast "
+            "after wrapping, e.g. model.half(), or moved in a data-parallel job or in the "
+            "middle of a backward). Cast the model first, then build the optimizer and the "
+            "wrapper")
+
+
+@torch.no_grad()
+def follow_move(owner) -> None:
+    """The params moved to other devices: rebuild the window on their devices (carrying what it
+    holds), move the master weights and the inner optimizer's state with them."""
+    intake = owner._intake
+    old_devices = intake.guard.devices
+    if any(d.type == "meta" for d in old_devices) and not owner._window.empty:
+        owner._reset_window()  # a window on meta holds no values to carry
+    held = {id(p): view.detach().clone() for p, view in zip(intake.params, intake.views)
+            if intake.is_touched(p)}
+    owner._masters.follow(old_devices, intake.params)
+    _move_state(owner.optimizer, owner._masters, intake.params, old_devices)
+    owner._rebase_buffer()
+    for p, view in zip(owner._intake.params, owner._intake.views):
+        if id(p) in held:
+            view.copy_(held[id(p)])
+    nf = owner._nonfinite
+    device = next(iter(owner._buffer.buffers), nf.found_inf.device)
+    if nf.found_inf.device != device:
+        flag = torch.zeros(1, device=device)
+        if nf.found_inf.device.type != "meta" and device.type != "meta":
+            flag.copy_(nf.found_inf)
+        nf.found_inf = flag
+
+
+def _move_state(optimizer, masters, params: list, old_devices: list) -> None:
+    """Tensors of the inner optimizer's state follow their param (``step`` counters stay
+    where torch keeps them: on the CPU unless the optimizer is fused or capturable)."""
+    keep_step = not any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+    for p, old in zip(params, old_devices):
+        if p.device == old:
+            continue
+        target = masters.get(p)
+        target = target if target is not None else p
+        for key, value in optimizer.state.get(target, {}).items():
+            if not torch.is_tensor(value) or value.device != old:
+                continue
+            if key == "step" and keep_step and value.device.type == "cpu":
+                continue
+            optimizer.state[target][key] = value.to(p.device)

@@ -106,6 +106,17 @@ class Intake:
         """Detach from the params (idempotent)."""
         self._finalizer()
 
+    def rebase(self, buffer: MasterGradBuffer) -> None:
+        """Point at a new buffer of the same params (rebuilt after they moved device); the
+        hooks stay. Views shown in ``.grad`` are replaced by the new ones."""
+        shown = [p.grad is view for p, view in zip(self.params, self.views)]
+        self.buffer = buffer
+        self.views = [buffer.view(p) for p in self.params]
+        for p, view, was_shown in zip(self.params, self.views, shown):
+            if was_shown:
+                p.grad = view
+        self.guard = Guard(self)
+
     # -- backward tracking ---------------------------------------------------------------------
     def _begin(self) -> None:
         self.settle()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from accumkernels._util import LOW_PRECISION
+from accumkernels.backends import native
 
 
 class MasterWeights:
@@ -55,11 +56,31 @@ class MasterWeights:
 
     @torch.no_grad()
     def resync_changed(self) -> None:
-        """Take the model's weight wherever it differs from the rounded master (changed outside)."""
-        for p in self.model_params:
+        """Take the model's weight wherever it differs from the rounded master (changed outside).
+
+        On the CPU one native pass per param reads the master and the weight and writes only
+        what differs (no temporaries); elsewhere, torch ops per param."""
+        rest = self.model_params
+        if native.resync_masters_cpu is not None:
+            rest = _resync_native(rest, self.masters)
+        for p in rest:
             m = self.masters[id(p)]
             changed = p.ne(m.to(p.dtype))
             torch.where(changed, p.float(), m, out=m)
+
+    @torch.no_grad()
+    def follow(self, old_devices: list[torch.device], params: list[torch.Tensor]) -> None:
+        """Masters of params that moved to another device move too (from ``meta``, which holds
+        no values, they are taken from the model's weights)."""
+        old = {id(p): d for p, d in zip(params, old_devices)}
+        for p in self.model_params:
+            m = self.masters[id(p)]
+            if m.device == p.device:
+                continue
+            if old.get(id(p), m.device).type == "meta" or m.device.type == "meta":
+                m.data = p.detach().float().clone()
+            else:
+                m.data = m.data.to(p.device)
 
     @torch.no_grad()
     def take_from_model(self) -> None:
@@ -87,3 +108,24 @@ class MasterWeights:
         for m, t in zip(self.master_list(), parsed):
             m.copy_(t)
         self.copy_back()
+
+
+def _resync_native(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
+                   ) -> list[torch.Tensor]:
+    """Re-sync the CPU (master, weight) pairs of one dtype in one native call each; returns
+    the params it could not take (another device, a non-contiguous weight, no fp16 support)."""
+    rest: list[torch.Tensor] = []
+    for dtype in LOW_PRECISION:
+        pairs = [(masters[id(p)], p) for p in params if p.dtype == dtype]
+        if not pairs:
+            continue
+        fits = [(m, p) for m, p in pairs if p.device.type == "cpu" and m.device.type == "cpu"
+                and p.is_contiguous() and m.is_contiguous() and not p.is_neg()]
+        code = native.DTYPE_CODES[dtype]
+        if not fits or native.resync_masters_cpu(
+                [m.data_ptr() for m, _ in fits], [p.data_ptr() for _, p in fits],
+                [p.numel() for _, p in fits], code) < 0:
+            fits = []
+        done = {id(p) for _, p in fits}
+        rest.extend(p for _, p in pairs if id(p) not in done)
+    return rest

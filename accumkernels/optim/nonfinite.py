@@ -30,9 +30,11 @@ class NonFinite:
     def per_microbatch(self) -> bool:
         return self.policy == "skip_microbatch"
 
-    def launch_flag(self) -> torch.Tensor | None:
-        """The flag each fused launch sets (None when micro-batches are checked one by one)."""
-        return None if self.per_microbatch else self.found_inf
+    def launch_flag(self) -> torch.Tensor:
+        """The flag each fused launch sets: the kernels flag a non-finite result, so it reports a
+        non-finite gradient and an overflowed fp32 sum alike (with ``skip_microbatch`` the
+        gradients are checked before they are launched: the flag then means an overflow)."""
+        return self.found_inf
 
     def reset(self) -> None:
         self.found_inf.zero_()
@@ -43,15 +45,18 @@ class NonFinite:
             return True
         return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
-    def window_finite(self, flats: list[torch.Tensor], norm: torch.Tensor | None) -> bool:
-        """Whether the window can be stepped: no flagged input and no overflow in the sum.
+    def window_finite(self, flats: list[torch.Tensor], norm: torch.Tensor | None,
+                      exact: bool = False) -> bool:
+        """Whether the window can be stepped: no non-finite value reached it, no sum overflowed.
 
-        ``norm`` (the global 2-norm, when clipping computed it) answers it for free when finite;
-        otherwise a max-abs pass tells overflowed squares from non-finite elements.
+        The kernels that wrote the window flagged both (``found_inf``), so this is one flag read.
+        ``exact``: the window was also changed by passes without the flag (a sum across ranks, a
+        rescale by more than 1): ``norm`` (the global 2-norm, when clipping computed it) answers
+        it when finite; otherwise a max-abs pass tells overflowed squares from non-finite values.
         """
-        if not self.per_microbatch and bool(self.found_inf.item()):
+        if bool(self.found_inf.item()):
             return False
-        if norm is not None and bool(torch.isfinite(norm)):
+        if not exact or (norm is not None and bool(torch.isfinite(norm))):
             return True
         return all(bool(torch.isfinite(torch.linalg.vector_norm(f, math.inf)))
                    for f in flats if f.numel())

@@ -176,6 +176,13 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
                               outside=[p for p in self._outside.params
                                        if p.is_leaf and p.requires_grad])
 
+    def _rebase_buffer(self) -> None:
+        """A new buffer on the params' current devices (they moved); the hooks stay."""
+        for device in {p.device for p in self._params}:
+            backends.resolve(self.config.backend, device)
+        self._buffer = MasterGradBuffer(self._params, bucket_size_mb=self.config.bucket_size_mb)
+        self._intake.rebase(self._buffer)
+
     # -- sharing the inner optimizer ----------------------------------------------------------
     param_groups = property(lambda self: self.optimizer.param_groups,
                             lambda self, v: setattr(self.optimizer, "param_groups", v))

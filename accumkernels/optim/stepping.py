@@ -74,19 +74,28 @@ class StepMixin:
         target = self._target_divisor(totals)
         if target is None:
             raise ValueError(_NO_WEIGHTS)
-        self._normalise(target)
-        self._outside.scale(1.0 / (self._scaler.scale * target))
         flats = list(self._buffer.buffers.values())
         outside = [p.grad for p in self._outside.with_grad() if not p.grad.is_sparse]
+        # a fused inner optimizer divides by grad_scale in its own pass: 1/N and the clip
+        # coefficient go there (never a factor above 1: its divide could overflow unseen)
+        factor = w.divisor / target
+        fold = self._foldable() and not outside and factor <= 1.0
+        if not fold:
+            self._normalise(target)
+            factor = 1.0
+        self._outside.scale(1.0 / (self._scaler.scale * target))
         norm = self._clip_norm(flats + outside) if self.config.max_grad_norm is not None \
             else None
-        if not nf.window_finite(flats + outside, norm):
+        if norm is not None and factor != 1.0:
+            norm = norm * factor
+        if not nf.window_finite(flats, norm, exact=self._window_rescaled(totals)) \
+                or not nf.all_finite(outside):
             return self._nonfinite_window()
         if norm is not None:
-            coef = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
-            for flat in flats + outside:
-                flat.mul_(coef.to(flat.device))
             self.last_grad_norm = norm
+        self._scale_grads(flats + outside, norm, factor, fold)
+        if fold:
+            w.divisor = target  # the inner optimizer writes the divided gradients back
         cast = self._hand_grads()
         if cast and not nf.all_finite([p.grad for p in cast]):
             for p in cast:  # the fp32 window overflows the param dtype
@@ -94,10 +103,51 @@ class StepMixin:
             self._intake.expose()
             return self._nonfinite_window()
         self._masters.resync_changed()
-        protocol.inner_step(self.optimizer)
+        try:
+            protocol.inner_step(self.optimizer)
+        finally:
+            self._unfold_clip()
         self._after_inner_step(cast)
         self._scaler.update(found_inf=False)
         self._reset_window()
+
+    def _window_rescaled(self, totals) -> bool:
+        """Whether the window changed after its kernels flagged it: summed over ranks without a
+        divide first (``process_group``), or rescaled by more than 1 (weights below 1)."""
+        summed = totals is not None and not totals.averaged and totals.world > 1
+        return summed or self.config.reduction == "weighted"
+
+    def _foldable(self) -> bool:
+        """A fused inner optimizer (Adam, AdamW, SGD with ``fused=True``) that no GradScaler
+        drives now: it divides the gradients by its ``grad_scale`` in its own pass."""
+        inner = self.optimizer
+        return bool(getattr(inner, "_step_supports_amp_scaling", False)) \
+            and getattr(inner, "grad_scale", None) is None \
+            and getattr(inner, "found_inf", None) is None
+
+    def _scale_grads(self, grads: list[torch.Tensor], norm: torch.Tensor | None, factor: float,
+                     fold: bool) -> None:
+        """Multiply the gradients by ``factor`` (the normalisation not yet applied) and by the
+        clip coefficient ``min(1, max_grad_norm / (norm + 1e-6))`` (as
+        ``torch.nn.utils.clip_grad_norm_``). Folded: the fused inner optimizer gets the inverse as
+        its ``grad_scale`` (the hook GradScaler uses) and there is no pass of its own."""
+        if norm is None and factor == 1.0:
+            return
+        if fold:
+            device = self._nonfinite.found_inf.device
+            inv = torch.tensor(1.0 / factor, device=device) if norm is None else \
+                torch.clamp((norm + 1e-6) / self.config.max_grad_norm, min=1.0) / factor
+            self.optimizer.grad_scale, self.optimizer.found_inf = inv, torch.zeros_like(inv)
+            self._folded_clip = True
+            return
+        coef = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device))
+
+    def _unfold_clip(self) -> None:
+        if getattr(self, "_folded_clip", False):
+            self._folded_clip = False
+            del self.optimizer.grad_scale, self.optimizer.found_inf
 
     def _nonfinite_window(self) -> None:
         if self._nonfinite.policy == "raise":

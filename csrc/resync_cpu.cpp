@@ -1,0 +1,130 @@
+// Master-weight re-sync on the CPU (issue 20): one pass over each (fp32 master, bf16/fp16
+// weight) pair that takes the weight into the master wherever the weight differs from the
+// master rounded to the weight's dtype (the weight was changed outside the optimizer). It reads
+// 4 + 2 bytes per element, allocates nothing and writes only the elements that differ.
+//
+// "Differs" is torch's `weight != master.to(weight.dtype)`: compared as floats (+0 == -0), a
+// NaN on either side differs. Rounding is round-to-nearest-even, as torch's casts.
+
+#include <cstdint>
+#include <cstring>
+
+#include "accumulate.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define ACCUMKERNELS_RESYNC_X86 1
+#include <immintrin.h>
+#endif
+
+namespace accumkernels {
+namespace {
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// The master rounded to bf16 (nearest even), as a float; a NaN stays a NaN.
+inline float round_bf16(float m) {
+  const uint32_t u = bits_of(m);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return m;
+  return float_of((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+
+inline float widen(uint16_t w, int dtype) {
+  if (dtype == kBFloat16) return float_of(static_cast<uint32_t>(w) << 16);
+#if defined(__FLT16_MAX__)
+  _Float16 h;
+  std::memcpy(&h, &w, sizeof(h));
+  return static_cast<float>(h);
+#else
+  return 0.0f;  // unreachable: resync_masters_cpu refuses fp16 on such builds first
+#endif
+}
+
+inline float round_to(float m, int dtype) {
+  if (dtype == kBFloat16) return round_bf16(m);
+#if defined(__FLT16_MAX__)
+  return static_cast<float>(static_cast<_Float16>(m));
+#else
+  return m;
+#endif
+}
+
+// Scalar elements [from, n); returns how many were taken from the weight.
+int64_t resync_scalar(float* master, const uint16_t* weight, int64_t from, int64_t n, int dtype) {
+  int64_t taken = 0;
+  for (int64_t i = from; i < n; ++i) {
+    const float w = widen(weight[i], dtype);
+    if (!(w == round_to(master[i], dtype))) {
+      master[i] = w;
+      ++taken;
+    }
+  }
+  return taken;
+}
+
+#if defined(ACCUMKERNELS_RESYNC_X86)
+template <int kDType>
+__attribute__((target("avx2,fma,f16c"))) int64_t resync_avx2(float* master,
+                                                             const uint16_t* weight, int64_t n) {
+  const __m256i lsb_one = _mm256_set1_epi32(1);
+  const __m256i half_ulp = _mm256_set1_epi32(0x7fff);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  int64_t taken = 0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 m = _mm256_loadu_ps(master + i);
+    const __m128i w16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weight + i));
+    __m256 w, r;
+    if constexpr (kDType == kBFloat16) {
+      w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w16), 16));
+      const __m256i u = _mm256_castps_si256(m);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), lsb_one);
+      const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(half_ulp, lsb));
+      const __m256 nan = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+      r = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_and_si256(up, high)), m, nan);
+    } else {
+      w = _mm256_cvtph_ps(w16);
+      r = _mm256_cvtph_ps(_mm256_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    const __m256 differ = _mm256_cmp_ps(w, r, _CMP_NEQ_UQ);
+    const int mask = _mm256_movemask_ps(differ);
+    if (mask != 0) {  // rare: the weight was changed outside the optimizer
+      _mm256_storeu_ps(master + i, _mm256_blendv_ps(m, w, differ));
+      taken += __builtin_popcount(static_cast<unsigned>(mask));
+    }
+  }
+  return taken + resync_scalar(master, weight, i, n, kDType);
+}
+
+bool have_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+#endif
+
+}  // namespace
+
+int64_t resync_masters_cpu(float* master, const uint16_t* weight, int64_t n, int dtype) {
+#if defined(ACCUMKERNELS_RESYNC_X86)
+  if (have_avx2()) {
+    return dtype == kBFloat16 ? resync_avx2<kBFloat16>(master, weight, n)
+                              : resync_avx2<kFloat16>(master, weight, n);
+  }
+#endif
+#if !defined(__FLT16_MAX__)
+  if (dtype == kFloat16) return -1;  // no fp16 rounding on this build: the caller falls back
+#endif
+  return resync_scalar(master, weight, 0, n, dtype);
+}
+
+}  // namespace accumkernels
