@@ -52,6 +52,28 @@ class Gated(torch.nn.Module):
         return self.head(h) + self.extra(h) if use_extra else self.head(h)
 
 
+class Swapped(torch.nn.Module):
+    """No param unused, but the order its gradients arrive in changes with the micro-batch:
+    ``u`` first in the forward (its gradients last) when ``flag``, ``v`` first otherwise. In
+    the wrapper's one bucket the last gradient to arrive completes it, the others wait: the
+    param that waited in the ``no_sync`` micro-batches completes the bucket in the sync one."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.u = torch.nn.Linear(8, 8)
+        self.v = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+        first, second = (self.u, self.v) if flag else (self.v, self.u)
+        return self.head(torch.tanh(second(torch.tanh(first(x)))))
+
+
+MODELS = {"gated": Gated, "swapped": Swapped}
+
+
 def batch(rank: int, window: int, i: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(1000 * window + 10 * i + rank)
     return torch.randn(6, 8, generator=g).to(dtype), torch.randn(6, 4, generator=g).to(dtype)
@@ -67,7 +89,7 @@ def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train(rank: int, dtype: torch.dtype, cap, wrap: str | None) -> dict:
+def train(rank: int, dtype: torch.dtype, cap, wrap: str | None, net: str = "gated") -> dict:
     """Native DDP (``wrap`` None), or the wrapper given ``model=ddp`` ("model") or built first
     with the hook registered on DDP afterwards ("hook_later")."""
     import accumkernels
@@ -75,20 +97,21 @@ def train(rank: int, dtype: torch.dtype, cap, wrap: str | None) -> dict:
 
     # float64 starts from the bf16 model's rounded weights: its distance to a bf16 run then
     # measures the training, not the start
-    model = Gated(torch.bfloat16).double() if dtype == torch.float64 else Gated(dtype)
+    model = Gated(torch.bfloat16).double() if dtype == torch.float64 else MODELS[net](dtype)
     if rank == 1:  # DDP broadcasts rank 0's params when it is built
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.25)
     opt = inner = torch.optim.AdamW(model.parameters(), lr=LR)
+    size = {"bucket_size_mb": 0.0007} if net == "gated" else {}  # several / one bucket
     if wrap == "hook_later":
-        opt = AccumulatingOptimizer(inner, bucket_size_mb=0.0007)
+        opt = AccumulatingOptimizer(inner, **size)
     kwargs = {} if cap is None else {"bucket_cap_mb": cap}
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, **kwargs)
     if wrap == "hook_later":
         ddp.register_comm_hook(None, accumkernels.ddp_comm_hook)
     elif wrap == "model":
-        opt = AccumulatingOptimizer(inner, model=ddp, bucket_size_mb=0.0007)
+        opt = AccumulatingOptimizer(inner, model=ddp, **size)
     no_grad = []  # per window: which params' .grad is None on the sync step
     for window in range(WINDOWS):
         for i in range(K):
@@ -140,7 +163,12 @@ RUNS = {"native": (torch.float32, None), "model": (torch.float32, "model"),
 
 def scenario(rank: int) -> dict:
     """Every run; one that raises is recorded (both ranks raise at the same point), not fatal."""
-    out = {"bf16_reference": reference_bf16(rank)}
+    out = {"bf16_reference": reference_bf16(rank), "swapped": {}}
+    for name in ("native", "model"):
+        try:
+            out["swapped"][name] = train(rank, torch.float32, None, RUNS[name][1], "swapped")
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            out["swapped"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     for layout, cap in BUCKET_CAPS.items():
         out[layout] = {}
         for name, (dtype, wrap) in RUNS.items():
@@ -194,6 +222,16 @@ def test_fp32_equals_native_ddp_bit_for_bit(ranks, layout, wrap):
         assert ours["no_grad"] == native["no_grad"], f"rank {rank}: .grad None elsewhere"
         diff = first_difference(ours["params"], native["params"])
         assert diff is None, f"{layout}, {wrap}, rank {rank}: {diff}"
+
+
+def test_gradients_arriving_in_another_order_in_the_sync_backward(ranks):
+    """A gradient held for its bucket in ``no_sync`` micro-batches but completing the bucket
+    in the sync one: DDP, which counted it locally used, must not find its ``.grad`` gone."""
+    for rank, res in enumerate(ranks):
+        native, ours = result(res, "swapped", "native"), result(res, "swapped", "model")
+        assert not torch.equal(native["params"][0], snapshot(Swapped(torch.float32))[0])
+        diff = first_difference(ours["params"], native["params"])
+        assert diff is None, f"rank {rank}: {diff}"
 
 
 def test_globally_unused_window_leaves_the_param_alone(ranks):
