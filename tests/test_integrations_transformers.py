@@ -60,10 +60,6 @@ def test_bf16_closer_to_float64(two_ranks):
         check_bf16(res, f"rank {rank}: Trainer bf16")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "core bug, issue 21 item 2: with find_unused_parameters=True (the Trainer's default) a "
-    "module used only in no_sync micro-batches makes the sync backward raise 'RuntimeError: "
-    "Encountered gradient which is undefined, but still allreduced by DDP reducer'"))
 def test_trainer_defaults_conditional_module_equals_native(two_ranks):
     """Item 2 of issue 21: native DDP trains this; the one line must give the same result."""
     for rank, res in enumerate(two_ranks):

@@ -3,16 +3,25 @@
 How DDP's reducer (torch/csrc/distributed/c10d/reducer.cpp, torch 2.13) meets the wrapper:
 
 * The reducer's hook on each param is a post hook of the param's AccumulateGrad node; it runs
-  *after* the param's post-accumulate-grad hooks (the wrapper's), and only on a sync backward
-  (``no_sync``/``require_backward_grad_sync=False`` backwards return early). It copies what
-  ``p.grad`` holds then into DDP's bucket (in the param dtype; an fp32 ``.grad`` on a bf16
-  param is an error, "Expected BFloat16, got Float"), or zeros the slot if ``p.grad`` is None.
+  *after* the param's post-accumulate-grad hooks (the wrapper's). With
+  ``find_unused_parameters=True`` it first marks the param "locally used" if ``p.grad`` is
+  defined, in ``no_sync`` backwards too; otherwise those return early. On a sync backward it
+  copies what ``p.grad`` holds into DDP's bucket (in the param dtype; an fp32 ``.grad`` on a
+  bf16 param is an error, "Expected BFloat16, got Float"), or zeroes the slot if ``p.grad`` is
+  None -- an error ("Encountered gradient which is undefined, but still allreduced") for a param
+  marked locally used. Params its graph search found unused in the sync forward are marked
+  ready, the same way, at its first hook of that backward.
 * When a bucket is complete it calls the comm hook (or its own all-reduce), in bucket order,
   the same on every rank; at the end of the backward (a final callback it queued during the
   backward) it waits for the hook's future and writes the result into every ``p.grad``.
-* The wrapper moves each gradient into its window and releases ``p.grad`` before DDP's hook
-  sees it, so without this hook DDP reduces zeros (and a few not-yet-moved gradients), writes
-  them into ``p.grad``, and the wrapper shows its rank-local window again: ranks diverge.
+* The wrapper takes each gradient out of ``p.grad`` before DDP's hook sees it (moved into the
+  window, or held until its wrapper bucket is complete: accumkernels.optim.intake), and in a
+  job of several ranks it hides every window view when a backward begins, so DDP finds
+  ``p.grad`` None for every param of ours: it zeroes their bucket slots, and with
+  ``find_unused_parameters=True`` never counts them "locally used" (no check that a used
+  param's ``.grad`` is still there; at its end they look globally unused and DDP leaves their
+  ``.grad`` alone). Without this hook DDP would reduce those zeros, write them into ``p.grad``,
+  and the wrapper would show its rank-local window again: ranks would diverge.
 
 With :func:`ddp_comm_hook` registered, a sync backward makes DDP call it per bucket; it moves
 the bucket's pending gradients into the window and averages the fp32 window slices of those

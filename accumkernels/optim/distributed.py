@@ -62,10 +62,6 @@ class DataParallel:
         self._clean = False  # no micro-batch since the last DDP sync (totals are current)
         self._stale = False  # ... but a weight was reported after it
         self._layout: dict[int, int] = {}  # id(param) -> position in the buffer
-        # DDP(static_graph=True) marks gradients ready only at the end of its first sync
-        # backward, and then rejects one that was defined when its hook ran but is gone now:
-        # until that backward is over, every gradient is moved as it arrives (see Intake).
-        self.move_each_now = False
         if process_group is not None:
             if ddp is not None:
                 raise ValueError(_BOTH)
@@ -76,7 +72,6 @@ class DataParallel:
 
             self._attach(ddp.process_group)
             register(ddp)
-            self.move_each_now = bool(getattr(ddp, "static_graph", False))
 
     @property
     def active(self) -> bool:
@@ -99,6 +94,10 @@ class DataParallel:
                 "process_group=torch.distributed.group.WORLD (the wrapper averages the fp32 "
                 "window once per step). independent_ranks=True if the ranks are meant to train "
                 "apart.")
+
+    def ddp_possible(self) -> bool:
+        """DDP reduces this window, or may (its comm hook registered but not yet called)."""
+        return self.ddp_group is not None or (self.reducer is None and _world_size() > 1)
 
     def backward_begins(self) -> None:
         """process_group: a backward after the window's reduction started must reach it too."""
@@ -186,7 +185,7 @@ class DataParallel:
         if not self._synced:
             self._clean = False
             return False
-        self._synced = self.move_each_now = False
+        self._synced = False
         owner = self._owner()
         self._wait()
         self.totals = self._agree(owner)

@@ -7,8 +7,9 @@ backward (``accumulate_in_backward=True``):
 1. a tensor pre-hook sees p's incoming gradient first and hides the view (``p.grad = None``),
    so autograd's AccumulateGrad stores the new low-precision gradient instead of adding it
    into the view param by param;
-2. a post-accumulate-grad hook collects it; when all params of a bucket are in, the bucket is
-   moved with one fused launch and the low-precision ``.grad`` tensors are released;
+2. a post-accumulate-grad hook takes it out of ``.grad`` (``p.grad`` stays None for the rest
+   of the backward) and holds it; when all params of a bucket are in, the bucket is moved with
+   one fused launch and the held low-precision gradients are released;
 3. at the end of the outermost backward (an autograd final callback, run after every other
    final callback) the rest is moved, the views are shown again, and the micro-batch counted.
 
@@ -23,6 +24,16 @@ With ``accumulate_in_backward=False`` the views are hidden the same way, but the
 stay in ``.grad`` (in the param dtype, summed by autograd over backwards) until
 ``accumulate()`` or ``step()`` moves them (:meth:`Intake.move_unmoved`) and shows the window.
 Hooks hold the intake weakly and are removed when the wrapper is collected.
+
+Why a gradient waiting for its bucket is held here and not left in ``.grad``: DDP's hook on a
+param runs after ours and reads ``p.grad``. With ``find_unused_parameters=True`` it marks a param
+"locally used" when that ``.grad`` is defined -- in ``no_sync`` backwards too -- and on the sync
+backward it insists that a locally used param it marks ready as unused in that graph (a module
+only the ``no_sync`` micro-batches used) still has a defined ``.grad``. The window, not ``.grad``,
+holds such a gradient, so DDP must never see one of ours: then it never counts our params as
+used, zeroes their bucket slots (accumkernels.optim.ddp reduces the window instead) and, finding
+them "globally unused" at its end, leaves their ``.grad`` alone. For the same reason, in a job of
+more than one rank every view is hidden when a backward begins (:meth:`Intake._begin`).
 """
 
 from __future__ import annotations
@@ -82,7 +93,8 @@ class Intake:
         self._bucket_len = [len(b.params) for b in buffer.buckets]
         self._check_each_microbatch = owner.config.nonfinite == "skip_microbatch"
         self.move_in_backward = move_in_backward
-        self.pending: dict[int, dict[int, torch.Tensor]] = {}  # bucket index -> {id: param}
+        # bucket index -> {param index: its gradient of this backward, held until moved}
+        self.pending: dict[int, dict[int, torch.Tensor]] = {}
         self._flushed: dict[int, int] = {}  # bucket index -> params moved early (flush)
         self._active = False  # inside a backward that touched our params
         self._deferred = False  # ... waiting for the outer backward to end
@@ -133,9 +145,10 @@ class Intake:
             _engine.queue_callback(end)
             if owner is not None:
                 owner._dp.backward_begins()
-            if owner is not None and owner._dp.ddp_group is not None:
-                # DDP (accumkernels.optim.ddp) reads every p.grad of a sync backward, also of
-                # params this backward gives no gradient: none may still show the fp32 window.
+            if owner is not None and owner._dp.ddp_possible():
+                # DDP reads p.grad of params this backward gives no gradient too (those its
+                # graph search found unused): none may show the fp32 window (see the docstring),
+                # also before the wrapper learns of DDP at its first sync (hook registered later)
                 for i in range(len(self.params)):
                     self._hide(i)
 
@@ -180,10 +193,7 @@ class Intake:
         if g is not self.views[i]:
             if not self.move_in_backward:
                 return  # unmoved gradients of earlier backwards: autograd adds to them
-            pend = self.pending.get(self.buffer.bucket_of(p).index)
-            if pend is not None and id(p) in pend:
-                return  # a second gradient for p in this backward: autograd adds it
-            self._absorb(p, g)
+            self._absorb(p, g)  # assigned from outside (held gradients are never in .grad)
         p.grad = None
 
     def after_grad(self, i: int) -> None:
@@ -193,41 +203,43 @@ class Intake:
         if not self.move_in_backward:
             return
         p = self.params[i]
-        if p.grad is None:  # undefined gradient (a Function returned None, or a fused write)
+        g = p.grad
+        if g is None:  # undefined gradient (a Function returned None, or a fused write)
             return
-        if p.grad.requires_grad:  # create_graph: .grad (window + this gradient) keeps its graph
+        if g.requires_grad:  # create_graph: .grad (window + this gradient) keeps its graph
             self._owner()._window.touched.add(id(p))  # until the next call absorbs it
             return
+        p.grad = None  # held below until moved (the module docstring says why)
         index = self._bucket_index[i]
         pend = self.pending.get(index)
         if pend is None:
             pend = self.pending[index] = {}
-        pend[id(p)] = p
+        held = pend.get(i)
+        if held is not None:  # a second gradient for p in this backward (reentrant
+            held.add_(g)  # checkpointing): added in p's dtype, as AccumulateGrad adds it
+            return
+        pend[i] = g
         if self._check_each_microbatch:
             return  # checked, then moved, at the end of the backward
         if len(pend) + self._flushed.get(index, 0) == self._bucket_len[index]:
             del self.pending[index]
-            self.launch(self.buffer.buckets[index], list(pend.values()))
-        else:
-            owner = self._owner()
-            if owner is not None and owner._dp.move_each_now:  # DDP(static_graph=True), first
-                self.flush([p])  # sync (optim.distributed)
+            self._launch_held(index, pend)
 
     def flush(self, params: list[torch.Tensor]) -> None:
         """Move the pending gradients of ``params`` now, before their bucket is complete
         (DDP's comm hook reduces them in DDP's buckets, which are cut elsewhere)."""
-        ids = {id(p) for p in params}
+        wanted = {self._index.get(id(p)) for p in params}
         for index in list(self.pending):
             pend = self.pending[index]
-            take = [p for key, p in pend.items() if key in ids]
+            take = {i: g for i, g in pend.items() if i in wanted}
             if not take:
                 continue
-            for p in take:
-                del pend[id(p)]
+            for i in take:
+                del pend[i]
             if not pend:
                 del self.pending[index]
             self._flushed[index] = self._flushed.get(index, 0) + len(take)
-            self.launch(self.buffer.buckets[index], take)
+            self._launch_held(index, take)
 
     def _end_backward(self) -> None:
         self._active, self._deferred, self._end_ref = False, False, None
@@ -238,15 +250,12 @@ class Intake:
             return
         kept = True
         if pending:
-            params = [p for pend in pending.values() for p in pend.values() if p.grad is not None]
             if owner._nonfinite.per_microbatch:
-                kept = owner._nonfinite.all_finite([p.grad for p in params])
-            for index, pend in pending.items():
-                if kept:
-                    self.launch(self.buffer.buckets[index], list(pend.values()))
-                else:
-                    for p in pend.values():
-                        p.grad = None
+                kept = owner._nonfinite.all_finite(
+                    [g for pend in pending.values() for g in pend.values()])
+            if kept:  # (a dropped micro-batch: its held gradients are released with ``pending``)
+                for index, pend in pending.items():
+                    self._launch_held(index, pend)
         if not self._got_grad:
             pass
         elif self.move_in_backward:
@@ -270,24 +279,27 @@ class Intake:
                          owner._nonfinite.launch_flag())
 
     # -- moving gradients ----------------------------------------------------------------------
-    def launch(self, bucket: Bucket, params: list[torch.Tensor]) -> None:
-        """Move the ``.grad`` of ``params`` (of one bucket) into the window, then release it."""
+    def _launch_held(self, index: int, pend: dict[int, torch.Tensor]) -> None:
+        self.launch(self.buffer.buckets[index], [self.params[i] for i in pend],
+                    list(pend.values()))
+
+    def launch(self, bucket: Bucket, params: list[torch.Tensor],
+               grads: list[torch.Tensor]) -> None:
+        """Move ``grads`` of ``params`` (of one bucket) into the window."""
         owner = self._owner()
-        params = [p for p in params if p.grad is not None]
         if owner is None or not params:
             return
         touched = owner._window.touched
-        fresh = [p for p in params if id(p) not in touched]
-        again = [p for p in params if id(p) in touched] if len(fresh) < len(params) else []
+        fresh = [k for k, p in enumerate(params) if id(p) not in touched]
+        again = [k for k, p in enumerate(params) if id(p) in touched] \
+            if len(fresh) < len(params) else []
         for group, overwrite in ((fresh, True), (again, False)):
             if group:  # normally all of a bucket is fresh, or none: one launch
-                self.buffer.accumulate(group, [p.grad for p in group], owner._prescale(),
-                                       overwrite=overwrite,
+                self.buffer.accumulate([params[k] for k in group], [grads[k] for k in group],
+                                       owner._prescale(), overwrite=overwrite,
                                        found_inf=owner._nonfinite.launch_flag(),
                                        backend=owner.config.backend)
-        for p in params:
-            p.grad = None
-            touched.add(id(p))
+        touched.update(id(p) for p in params)
         owner._bucket_moved(bucket)
 
     def move_unmoved(self) -> None:
@@ -306,10 +318,9 @@ class Intake:
                 [p.grad for params in by_bucket.values() for p in params])
         for index, params in by_bucket.items():
             if kept:
-                self.launch(self.buffer.buckets[index], params)
-            else:
-                for p in params:
-                    p.grad = None
+                self.launch(self.buffer.buckets[index], params, [p.grad for p in params])
+            for p in params:
+                p.grad = None
         count, self.unmoved = self.unmoved, 0
         if by_bucket and not count:
             count = 1  # gradients set without a backward this wrapper saw: one micro-batch
