@@ -11,13 +11,21 @@ then taken from the model and the window is empty.
 wrapper), then loads the inner optimizer with a rollback, and only then writes the rooms: a
 state that fails changes nothing. Versions 1 and 2 (everything at the top level, the inner
 state under ``"optimizer"``) still load.
+
+Under data parallelism a window is each rank's own until it is reduced across the ranks (DDP's
+sync backward, ``process_group``'s step). A state dict taken before that records the rank and
+world size that saved it, warns, and loads only there: every rank saving and loading its own
+resumes exactly, while rank 0's loaded on another rank (frameworks that save rank 0's only) is
+refused, not silently substituted for that rank's window.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 from accumkernels.optim.window import Window
 
@@ -37,7 +45,37 @@ def assemble(opt) -> dict:
     if not opt._window.empty:
         own["window"] = {**opt._window.state_dict(opt._params),
                          "main_grad": list(opt._buffer.buffers.values())}
+        local = getattr(opt._dp, "rank_local_window", lambda: None)()
+        if local is not None:  # only this rank's part of the window: only this rank may load it
+            own["window"]["rank"], own["window"]["world"] = local
+            warnings.warn(_RANK_LOCAL_SAVED.format(*local), stacklevel=3)
     return {**inner, OWN_KEY: own}
+
+
+_RANK_LOCAL_SAVED = (
+    "AccumulatingOptimizer.state_dict() in the middle of a window under data parallelism: the "
+    "window is rank {0}'s own until the window's sync backward reduces it, so this checkpoint "
+    "holds rank {0}'s part only and only rank {0} (of {1}) can resume from it. Every rank must "
+    "save and load its own; frameworks that save rank 0's optimizer state only (Accelerate's "
+    "save_state, the HF Trainer) must checkpoint at a window boundary (after step())")
+
+
+def _check_rank(opt, window: dict) -> None:
+    """A rank-local window loads only on the rank (and world size) that saved it."""
+    if "rank" not in window:
+        return
+    saved = (window["rank"], window["world"])
+    here = getattr(opt._dp, "rank_local_window", lambda: None)()
+    here = here if here is not None else ((dist.get_rank(), dist.get_world_size())
+                                          if dist.is_available() and dist.is_initialized()
+                                          else (0, 1))
+    if tuple(saved) != tuple(here):
+        raise ValueError(
+            f"load_state_dict: this checkpoint was taken in the middle of a window and holds "
+            f"rank {saved[0]}'s window of a {saved[1]}-rank job (not yet reduced across the "
+            f"ranks); this process is rank {here[0]} of {here[1]}. Each rank must load the state "
+            "dict it saved itself; a checkpoint saved by rank 0 only (Accelerate's save_state, "
+            "the HF Trainer) must be taken at a window boundary, after step()")
 
 
 def _parse_buffers(opt, saved: object) -> list[torch.Tensor]:
@@ -80,6 +118,8 @@ def _parse(opt, sd: object) -> dict:
         raise ValueError("load_state_dict: param_shapes does not match this optimizer's params "
                          "(a checkpoint of a different model?)")
     window = old["window"]
+    if isinstance(window, dict):
+        _check_rank(opt, window)
     return {
         "inner": old["optimizer"],
         "masters": opt._masters.parse(old["master_weights"]),

@@ -95,6 +95,18 @@ class DataParallel:
                 "window once per step). independent_ranks=True if the ranks are meant to train "
                 "apart.")
 
+    def rank_local_window(self) -> tuple[int, int] | None:
+        """(rank, world) when this rank's window is its own (a multi-rank job before the window
+        was reduced across the ranks); None when every rank holds the same window."""
+        world = _world_size()
+        if world <= 1 or (self.independent_ranks and self.reducer is None):
+            return None
+        if self.ddp_group is not None and self._clean:
+            return None  # DDP's sync backward averaged it: the same on every rank
+        group = self.ddp_group if self.ddp_group is not None else (
+            self.reducer.group if self.reducer is not None else None)
+        return dist.get_rank(group), dist.get_world_size(group)
+
     def ddp_possible(self) -> bool:
         """DDP reduces this window, or may (its comm hook registered but not yet called)."""
         return self.ddp_group is not None or (self.reducer is None and _world_size() > 1)
