@@ -131,6 +131,7 @@ def check_bf16(res: dict, what: str) -> tuple[float, float]:
     native = distance(res["bf16_native"]["params"], reference)
     assert all(p.dtype == torch.bfloat16 for p in res["bf16_oneline"]["params"]), what
     assert ours < native, f"{what}: distance to float64 {ours:.3g} (one line) >= {native:.3g}"
+    print(f"[bf16 vs float64] {what}: one line {ours:.4g}, native bf16 {native:.4g}")
     return ours, native
 
 

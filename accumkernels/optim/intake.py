@@ -339,9 +339,14 @@ class Intake:
                 p.grad = view
 
     def _absorb(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        owner = self._owner()
+        view = self.buffer.view(p)
         with torch.no_grad():  # same units as the view it replaced
-            self.buffer.view(p).copy_(g)
-        self._owner()._window.touched.add(id(p))
+            view.copy_(g)
+            # not written by a kernel: flag a non-finite value the way the kernels do (no sync)
+            flag = owner._nonfinite.found_inf
+            flag.masked_fill_((~torch.isfinite(view).all()).to(flag.device), 1.0)
+        owner._window.touched.add(id(p))
 
     # -- what p.grad shows ---------------------------------------------------------------------
     def expose(self) -> None:
