@@ -40,11 +40,13 @@ nonfinite.py, masters.py; update ``model_passes`` when the step changes):
   and writes them back: write 4. (A non-fused inner optimizer gets ``_foreach_mul_`` passes
   instead, 8 each: not in these rows.) With ``--declare-n`` the 1/N is fused into accumulation;
   the loss-scale's 1/S always is: 0 at the step;
-* ``resync`` (bf16): on the CPU one native pass reads the master and the weight and writes only
-  the elements that differ: 4 + b (elsewhere, until a device kernel exists, torch ops per
-  param: ``m.to(bf16)`` 4 + b, ``p.ne(.)`` 2b + 1, ``p.float()`` b + 4, ``where(...)`` 13:
-  22 + 4b);
-* ``copy_back`` (bf16, and the fair row): read the master, write the param: 4 + b.
+* ``resync`` (bf16): on the CPU the weights' fingerprints are compared with those the last
+  copy-back recorded: read b (a weight changed outside the optimizer then gets a compare pass,
+  4 + b: not in these rows). Elsewhere, until a device kernel exists, torch ops per param:
+  ``m.to(bf16)`` 4 + b, ``p.ne(.)`` 2b + 1, ``p.float()`` b + 4, ``where(...)`` 13: 22 + 4b;
+* ``copy_back`` (bf16, and the fair row): read the master, write the param: 4 + b (the
+  wrapper's, on the CPU, a native pass that also fingerprints what it writes; the native
+  passes are outside aten, so ``counted`` does not see them: ``uncounted_passes``).
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool,
     if normalise or "max_grad_norm" in opts:
         passes["grad_scale"] = 4 * numel  # fused AdamW writes the divided gradient back
     if b < 4:
-        passes["resync"] = (4 + b) * numel if native_resync else (22 + 4 * b) * numel
+        passes["resync"] = b * numel if native_resync else (22 + 4 * b) * numel
         passes["copy_back"] = (4 + b) * numel
     return passes
 
@@ -272,7 +274,8 @@ def row_record(row: StepRow, numel: int, args: argparse.Namespace, expected_step
             "ratio_vs_adamw_fused": None, "ratio_vs_fair": None,
             "model_bytes": model_bytes, "model_bytes_by_pass": passes,
             # passes outside aten (a native call): TrafficTally's "counted" cannot see them
-            "uncounted_passes": ["resync"] if native_resync and "resync" in passes else [],
+            "uncounted_passes": ["resync", "copy_back"] if native_resync and "resync" in passes
+                                else [],
             "model_gbps": model_bytes / med / 1e6 if med else None,
             "counted": tally}
 

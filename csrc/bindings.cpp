@@ -269,6 +269,44 @@ PYBIND11_MODULE(_C, m) {
       "(contiguous host memory); returns the elements taken, -1 if fp16 is unsupported.");
 
   m.def(
+      "copy_back_cpu",
+      [](const std::vector<uint64_t>& masters, const std::vector<uint64_t>& weights,
+         const std::vector<int64_t>& numels, int dtype) -> py::object {
+        if (masters.size() != weights.size() || masters.size() != numels.size())
+          throw std::invalid_argument("copy_back_cpu: list lengths differ");
+        if (dtype != ak::kBFloat16 && dtype != ak::kFloat16)
+          throw std::invalid_argument("copy_back_cpu: weights must be bf16 or fp16");
+        std::vector<uint64_t> prints(masters.size());
+        {
+          py::gil_scoped_release no_gil;
+          for (size_t k = 0; k < masters.size(); ++k) {
+            if (!ak::copy_back_cpu(reinterpret_cast<const float*>(masters[k]),
+                                   reinterpret_cast<uint16_t*>(weights[k]), numels[k], dtype,
+                                   &prints[k]))
+              return py::none();
+          }
+        }
+        return py::cast(prints);
+      },
+      py::arg("masters"), py::arg("weights"), py::arg("numels"), py::arg("dtype"),
+      "weights[k] = masters[k] rounded to dtype (contiguous host memory); returns each "
+      "weight's fingerprint, or None if fp16 is unsupported on this build.");
+  m.def(
+      "weight_fingerprints_cpu",
+      [](const std::vector<uint64_t>& weights, const std::vector<int64_t>& numels) {
+        if (weights.size() != numels.size())
+          throw std::invalid_argument("weight_fingerprints_cpu: list lengths differ");
+        std::vector<uint64_t> prints(weights.size());
+        py::gil_scoped_release no_gil;
+        for (size_t k = 0; k < weights.size(); ++k)
+          prints[k] = ak::weight_fingerprint_cpu(reinterpret_cast<const uint16_t*>(weights[k]),
+                                                 numels[k]);
+        return prints;
+      },
+      py::arg("weights"), py::arg("numels"),
+      "The fingerprint of each 16-bit weight (as copy_back_cpu returns it).");
+
+  m.def(
       "accumulate_cpu",
       [](py::handle dst_ptrs, py::handle src_ptrs, py::handle numels, py::handle src_dtypes,
          double scale, uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr,

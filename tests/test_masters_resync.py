@@ -83,3 +83,53 @@ def test_resync_changed_takes_outside_changes_only(dtype):
     for p in model.parameters():
         assert same_bits(mw.get(p).detach(), expected[id(p)])
     assert torch.equal(mw.get(w0)[3:7].to(dtype), w0.detach()[3:7])
+
+
+@pytest.mark.skipif(native.copy_back_cpu is None, reason="needs the compiled module")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 33, 4099])
+def test_native_copy_back_equals_torch_cast_and_fingerprints_every_change(dtype, n):
+    """The native copy-back writes torch's cast bit for bit (NaN payloads aside) and returns
+    the fingerprint the weight has; changing any one element, or swapping two different ones,
+    changes it."""
+    gen = torch.Generator().manual_seed(50 + n)
+    master = hard_masters(max(n, 16), dtype, gen)[:n].contiguous()
+    weight = torch.empty(n, dtype=dtype)
+    code = native.DTYPE_CODES[dtype]
+    (fp,) = native.copy_back_cpu([master.data_ptr()], [weight.data_ptr()], [n], code)
+    expected = master.to(dtype)
+    nan = expected.isnan()
+    assert torch.equal(weight.isnan(), nan)
+    assert torch.equal(weight[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert native.weight_fingerprints_cpu([weight.data_ptr()], [n]) == [fp]
+    positions = range(n) if n <= 64 else list(range(40)) + list(range(n - 40, n))
+    for i in positions:  # one element changed: never the same fingerprint
+        changed = weight.clone()
+        changed.view(torch.int16)[i] ^= 1 << int(torch.randint(0, 16, (1,), generator=gen))
+        assert native.weight_fingerprints_cpu([changed.data_ptr()], [n]) != [fp], i
+    if n >= 2:
+        bits = weight.view(torch.int16)
+        i, j = 0, n - 1
+        if bits[i] != bits[j]:
+            swapped = weight.clone()
+            swapped.view(torch.int16)[i], swapped.view(torch.int16)[j] = bits[j], bits[i]
+            assert native.weight_fingerprints_cpu([swapped.data_ptr()], [n]) != [fp]
+
+
+def test_data_write_after_copy_back_is_taken_in():
+    """The case version counters miss: ``p.data.clamp_()`` after a native copy-back. The
+    fingerprint sees it; the master takes exactly the changed elements."""
+    model = torch.nn.Linear(40, 30).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mw = masters_mod.MasterWeights(opt, enabled=True)
+    mw.retarget(list(model.parameters()))
+    for p in model.parameters():
+        mw.get(p).data.add_(torch.randn(p.shape) * 1e-3)
+    mw.copy_back()
+    w = model.weight
+    expected = torch_resync(mw.get(w).detach().clone(), w.detach().clamp(-0.05, 0.05))
+    w.data.clamp_(-0.05, 0.05)
+    untouched = mw.get(model.bias).detach().clone()
+    mw.resync_changed()
+    assert same_bits(mw.get(w).detach(), expected)
+    assert torch.equal(mw.get(model.bias).detach(), untouched)
