@@ -100,6 +100,7 @@ def test_a_dtype_change_is_still_refused():
     assert opt.micro_steps == 0  # refused before anything counted
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU: the move is CPU -> CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_to_cuda_mid_window_like_native(dtype):
