@@ -13,16 +13,14 @@ local gradient shards after every micro-batch, clip norms and final params.
 
 from __future__ import annotations
 
-import datetime
 import gc
-import multiprocessing
 import os
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from _spawn import run_scenario, spawn_ranks
 
 ACCUM = 3  # micro-batches per window
 WINDOWS = 3
@@ -185,61 +183,25 @@ def scenario_pair(world: int, **kwargs) -> dict:
 
 
 # -- process management -------------------------------------------------------------------------
-def _rank_main(rank: int, world: int, out_dir: str, scenarios: dict) -> None:
+def _run_all(world: int, scenarios: dict) -> dict:
+    results = {}
+    for name, kwargs in scenarios.items():
+        kwargs = dict(kwargs)
+        fn = kwargs.pop("fn", scenario_pair)
+        results[name] = fn(world, **kwargs)
+    return results
+
+
+def _rank_main(rank: int, out_dir: str, name: str, kwargs: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    result: dict = {"error": None, "results": {}}
-    try:
-        store = dist.FileStore(os.path.join(out_dir, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        for name, kwargs in scenarios.items():
-            fn = kwargs.pop("fn", scenario_pair)
-            result["results"][name] = fn(world, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    torch.save(result, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    try:
-        if dist.is_initialized():
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-            dist.destroy_process_group()
-    finally:
-        os._exit(0)
+    world, scenarios = kwargs["world"], kwargs["scenarios"]
+    run_scenario(rank, out_dir, world, lambda: _run_all(world, scenarios))
 
 
 def run_ranks(tmp_path, world: int, scenarios: dict, timeout: float = 150.0) -> list[dict]:
     """Run ``scenarios`` (name -> kwargs) on ``world`` spawned ranks; return each rank's
     results (name -> scenario result). Every process is gone when this returns."""
-    out_dir = str(tmp_path)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(rank, world, out_dir, scenarios))
-             for rank in range(world)]
-    paths = [os.path.join(out_dir, f"rank{rank}.pt") for rank in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while not all(os.path.exists(path) for path in paths):
-            dead = [r for r, p in enumerate(procs)
-                    if not p.is_alive() and not os.path.exists(paths[r])]
-            if dead:
-                raise AssertionError(f"rank {dead[0]} died (exit code "
-                                     f"{procs[dead[0]].exitcode}) without a result")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no result from every rank within {timeout:g} s")
-            time.sleep(0.05)
-        for p in procs:
-            p.join(max(1.0, deadline + 30 - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    results = [torch.load(path, weights_only=False) for path in paths]
-    for rank, r in enumerate(results):
-        if r["error"] is not None:
-            raise AssertionError(f"rank {rank} failed: {r['error']}\n{r['traceback']}")
-    return [r["results"] for r in results]
+    return spawn_ranks(_rank_main, str(tmp_path), "fsdp2", {"world": world,
+                                                             "scenarios": scenarios},
+                       world, timeout)
