@@ -145,8 +145,10 @@ cudaError_t load_kernel() {
 // Every instantiation for one table type: add/overwrite, without and with norm_sq.
 template <class Table>
 cudaError_t load_table_kernels() {
-  const cudaError_t loads[] = {load_kernel<Table, false, false>(), load_kernel<Table, true, false>(),
-                               load_kernel<Table, false, true>(), load_kernel<Table, true, true>()};
+  const cudaError_t loads[] = {load_kernel<Table, false, false>(),
+                               load_kernel<Table, true, false>(),
+                               load_kernel<Table, false, true>(),
+                               load_kernel<Table, true, true>()};
   for (const cudaError_t e : loads)
     if (e != cudaSuccess) return e;
   return cudaSuccess;
