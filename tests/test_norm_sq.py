@@ -214,3 +214,123 @@ def test_compiled_and_opcheck():
     assert "Tensor(a7!)? norm_sq" in str(op._schema)
     torch.library.opcheck(op, ([rand_dst(37, "cpu")], [rand_src(37, torch.bfloat16, "cpu")], 0.25,
                                None, False, None, "cpu"), {"norm_sq": torch.zeros(1)})
+
+
+def _call_parts(device):
+    """dst as views of one store, src with a float32 view of another, found_inf and a scale."""
+    store, src_store = rand_dst(40, device), rand_src(40, torch.float32, device)
+    dst = [store[0:5], store[8:17]]
+    src = [rand_src(5, torch.bfloat16, device), src_store[0:9]]
+    return store, src_store, dst, src
+
+
+def _bad_norms(device):
+    """(name, build(store, src_store) -> (norm_sq, found_inf, scale), exception, message)."""
+    zeros = torch.zeros
+    shared = zeros(3, device=device)
+    return [
+        ("dtype", lambda s, x: (zeros(2, dtype=torch.float64), None, 1.0), TypeError,
+         "norm_sq has dtype torch.float64"),
+        ("length", lambda s, x: (zeros(3), None, 1.0), ValueError, "1-D tensor of 2 elements"),
+        ("2-D", lambda s, x: (zeros(1, 2), None, 1.0), ValueError, r"shape \(1, 2\)"),
+        ("strided", lambda s, x: (zeros(4)[::2], None, 1.0), ValueError, "not contiguous"),
+        ("device", lambda s, x: (zeros(2, device="meta"), None, 1.0), ValueError, "is on meta"),
+        ("neg", lambda s, x: (torch._neg_view(zeros(2)), None, 1.0), ValueError, "negative view"),
+        ("list", lambda s, x: ([0.0, 0.0], None, 1.0), TypeError, "norm_sq must be a tensor"),
+        ("dst", lambda s, x: (s[3:5], None, 1.0), ValueError, r"norm_sq overlaps dst\[0\]"),
+        ("src", lambda s, x: (x[2:4], None, 1.0), ValueError, r"norm_sq overlaps src\[1\]"),
+        ("found_inf", lambda s, x: (shared[0:2], shared[1:2], 1.0), ValueError,
+         "norm_sq overlaps found_inf"),
+        ("scale", lambda s, x: (shared[1:3], None, shared[1:2]), ValueError,
+         "norm_sq overlaps scale"),
+        ("grad", lambda s, x: (zeros(2, requires_grad=True), None, 1.0), RuntimeError,
+         "norm_sq is a leaf that requires grad"),
+    ]
+
+
+@pytest.mark.parametrize("reader", [True, False], ids=["reader", "portable"])
+@pytest.mark.parametrize("device,backend", CPU_BACKENDS)
+def test_bad_norm_sq_is_refused_before_any_write(monkeypatch, device, backend, reader):
+    """Each broken rule raises an error naming norm_sq; dst and norm_sq keep every bit."""
+    if not reader:
+        monkeypatch.setattr(native, "READER", False)
+    cases = _bad_norms(device)
+    with torch.inference_mode():
+        frozen = torch.zeros(2)
+    cases.append(("inference", lambda s, x: (frozen, None, 1.0), RuntimeError,
+                  "norm_sq is an inference tensor"))
+    for name, build, exc, match in cases:
+        store, src_store, dst, src = _call_parts(device)
+        norm, found_inf, scale = build(store, src_store)
+        before = [t.clone() for t in (store, *([norm] if isinstance(norm, torch.Tensor) else []))]
+        with pytest.raises(exc, match=match):
+            accumkernels.accumulate_(dst, src, scale, found_inf=found_inf, norm_sq=norm,
+                                     backend=backend)
+        after = (store, *([norm] if isinstance(norm, torch.Tensor) else []))
+        for a, b in zip(before, after):
+            if b.device.type != "meta":  # no NaN here: equal values are equal bits
+                assert torch.equal(a.resolve_neg(), b.resolve_neg()), name
+
+
+class _Key:
+    """A plan key (plans match keys by identity)."""
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_plan_writes_only_the_slots_of_its_keys(device, backend):
+    """A LaunchPlan launch on some keys, in any order, writes the norms of those dst only, at
+    their plan index, or at norm_slots[index] with a layout of its own."""
+    numels = [5, 0, 4097, CHUNK + 3, 33]
+    flat = rand_dst(sum(numels), device)
+    dst = list(flat.split(numels))
+    keys = [_Key() for _ in numels]
+    layout = ([6, 2, 0, 4, 1], 8)
+    for slots, size in ((None, None), layout):
+        plan = LaunchPlan(dst, keys=keys, backend=backend, norm_slots=slots, norm_size=size)
+        slot_of = list(range(len(numels))) if slots is None else slots
+        for launched in ([3, 1, 0], list(range(len(numels)))):
+            norm = poisoned(size or len(numels), device, 7.0)
+            src = [rand_src(numels[k], DTYPES[k % 3], device) for k in launched]
+            refs = [Reference(dst[k]) for k in launched]
+            for r, x in zip(refs, src):
+                r.add(x, 0.5)
+            plan(src, 0.5, keys=[keys[k] for k in launched], norm_sq=norm)
+            for r, k in zip(refs, launched):
+                r.check(dst[k])
+            written = [slot_of[k] for k in launched]
+            check_norm_sq(norm[written], [dst[k] for k in launched], f"plan {backend}")
+            untouched = [s for s in range(norm.numel()) if s not in written]
+            assert (norm[untouched] == 7.0).all()
+        with pytest.raises(ValueError, match=f"1-D tensor of {size or len(numels)} elements"):
+            plan([rand_src(5, torch.float32, device)], keys=[keys[0]],
+                 norm_sq=torch.zeros(norm.numel() + 1, device=device))
+
+
+def test_plan_norm_layout_is_checked():
+    dst = [torch.zeros(3), torch.zeros(4)]
+    for slots, size in (([0, 0], 2), ([0, 2], 2), ([0, -1], 2), (None, 3), ([0, 1.0], 2)):
+        with pytest.raises(ValueError, match="norm_s"):
+            LaunchPlan(dst, norm_slots=slots, norm_size=size)
+
+
+@pytest.mark.parametrize("device,backend", CPU_BACKENDS)
+def test_buffer_norm_index_is_the_params_order(device, backend):
+    """MasterGradBuffer.accumulate(norm_sq=...): element norm_index(p) = p's index in
+    buffer.params; a bucket's launch (its plan) writes its params' elements only; a launch
+    over several buckets (the general path) writes every launched one."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 5000, 7, 12000, 64, 2)]
+    buf = MasterGradBuffer(params, bucket_size_mb=0.03)
+    assert len(buf.buckets) >= 3
+    assert [buf.norm_index(p) for p in params] == list(range(len(params)))
+    norm = poisoned(len(params), device, 7.0)
+    bucket = buf.buckets[1]
+    grads = [rand_src(p.numel(), torch.bfloat16, device) for p in bucket.params]
+    buf.accumulate(bucket.params[::-1], grads[::-1], 0.5, overwrite=True, norm_sq=norm,
+                   backend=backend)
+    inside = [buf.norm_index(p) for p in bucket.params]
+    check_norm_sq(norm[inside], [buf.view(p) for p in bucket.params], "one bucket")
+    assert all(norm[i].item() == 7.0 for i in range(len(params)) if i not in inside)
+    norm.fill_(NAN)
+    grads = [rand_src(p.numel(), torch.float16, device) for p in params]
+    buf.accumulate(params, grads, 0.25, norm_sq=norm, backend=backend)
+    check_norm_sq(norm, [buf.view(p) for p in params], "every bucket")
