@@ -44,8 +44,8 @@ struct AccumulateArgs {
   // (fp32 squares, fp32 sums; overwritten, not added to; inf/NaN when a written value is, or
   // when the sum overflows). With it, pairs with numel == 0 are not skipped: their slot gets 0.
   // Each fp32 partial sum adds a bounded number of terms (CPU: <= 4096 per SIMD lane of a chunk,
-  // then chunk partials in order; CUDA: per thread, then a warp tree, then one atomicAdd per
-  // warp and tensor), so the relative error stays far below the worst case n * 2^-24.
+  // then chunk partials in order; CUDA: 32 per thread, a warp tree, then one atomicAdd per warp
+  // and chunk), so the relative error stays far below the worst case n * 2^-24.
   float* norm_sq = nullptr;
 };
 

@@ -13,10 +13,10 @@
 //    (8 bf16/fp16 -> 2 x float4), unaligned tensors and tails a scalar loop;
 //  * norm_sq (the kNorm instantiations, so calls without it run the unchanged kernel): a first
 //    one-block launch of the same kernel zeroes the launch's slots, then each thread sums the
-//    squares it writes while its block stays on one tensor, a warp shuffle tree adds the warp's
-//    sums and lane 0 atomicAdds them to the tensor's slot. No allocation and no host sync, so
-//    it captures in CUDA graphs like the rest; the order of the atomic adds varies from run to
-//    run (the result may differ in the last bits, within the documented bound).
+//    squares it writes in a chunk, a warp shuffle tree adds the warp's sums and lane 0
+//    atomicAdds them to the tensor's slot (8 atomics per 8192-element chunk). No allocation and
+//    no host sync, so it captures in CUDA graphs like the rest; the order of the atomic adds
+//    varies from run to run (the result may differ in the last bits, within the bound).
 //
 // Compile-time switch ACCUMKERNELS_VEC_STORE picks the 16-byte store of the vector path (set by
 // CMake's ACCUMKERNELS_CUDA_STORE, so a GPU session can build and time both):

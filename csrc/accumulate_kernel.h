@@ -307,15 +307,14 @@ AK_HD void add_norm(float* slot, float sq, unsigned thread) {
 
 // Thread `thread` of block `block` (of `grid`) up to the block-wide barrier: every chunk of
 // the grid-stride loop; returns the thread's bad flag (the kernel ORs it over the block).
-// kNorm: the squares are summed per thread while consecutive chunks of the block belong to one
-// tensor, and added to its slot when the tensor changes and at the end (block-uniform points).
+// kNorm: each thread sums the squares it writes in a chunk, and after the chunk (a block-uniform
+// point) its warp adds them to the tensor's slot. (Carrying the sum over a block's consecutive
+// chunks of one tensor saves atomics but costs the DeviceTable kernel a 24-byte spill.)
 template <class Table, bool kOverwrite, bool kNorm>
 AK_HD bool accumulate_thread(const Table& table, const LaunchArgs& args, unsigned block,
                              unsigned thread, unsigned grid) {
   const float scale = args.scale_ptr != nullptr ? *args.scale_ptr : args.scale;
   bool bad = false;
-  float sq = 0.0f;
-  int current = -1;  // kNorm: the tensor `sq` belongs to
   for (int64_t c = block; c < args.num_chunks; c += grid) {
     // Last tensor whose first chunk is <= c (uniform across the block: broadcast reads).
     int lo = 0, hi = table.num_tensors - 1;
@@ -325,12 +324,7 @@ AK_HD bool accumulate_thread(const Table& table, const LaunchArgs& args, unsigne
       else hi = mid - 1;
     }
     const TensorEntry& e = table.t[lo];
-    if (kNorm && lo != current) {
-      if (current >= 0)
-        add_norm(args.norm_sq + (table.t[current].dtype >> kDTypeBits), sq, thread);
-      current = lo;
-      sq = 0.0f;
-    }
+    float sq = 0.0f;
     const int32_t dtype = kNorm ? (e.dtype & kDTypeMask) : e.dtype;
     const int64_t start = (c - e.chunk_begin) * kChunkElems;  // 64-bit: tensors may be > 2^31
     const int len = static_cast<int>(min64(kChunkElems, e.numel - start));
@@ -344,9 +338,8 @@ AK_HD bool accumulate_thread(const Table& table, const LaunchArgs& args, unsigne
     else
       bad |= accumulate_chunk<float, kOverwrite, kNorm>(
           dst, static_cast<const float*>(e.src) + start, len, scale, thread, sq);
+    if (kNorm) add_norm(args.norm_sq + (e.dtype >> kDTypeBits), sq, thread);
   }
-  if (kNorm && current >= 0)
-    add_norm(args.norm_sq + (table.t[current].dtype >> kDTypeBits), sq, thread);
   return bad;
 }
 
