@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accumkernels.ops import LaunchPlan, accumulate_
+from accumkernels.backends import validate
+from accumkernels.ops import LaunchPlan, _accumulate_slots, accumulate_
 
 __all__ = ["Bucket", "MasterGradBuffer"]
 
@@ -25,6 +26,9 @@ class Bucket:
     params: list[torch.Tensor]
     views: list[torch.Tensor]
     flat: torch.Tensor  # the bucket's range of the device buffer, padding included
+    # Each param's element of the buffer's norm_sq (its index in buffer.params), and their count.
+    norm_slots: list[int] = field(default_factory=list, repr=False, compare=False)
+    norm_size: int = 0
     _plans: dict[str, LaunchPlan] = field(default_factory=dict, repr=False, compare=False)
 
     def plan(self, backend: str = "auto") -> LaunchPlan:
@@ -32,7 +36,8 @@ class Bucket:
         side is checked once, so a launch checks only the gradients."""
         plan = self._plans.get(backend)
         if plan is None:
-            plan = LaunchPlan(self.views, keys=self.params, owner=self.flat, backend=backend)
+            plan = LaunchPlan(self.views, keys=self.params, owner=self.flat, backend=backend,
+                              norm_slots=self.norm_slots, norm_size=self.norm_size)
             self._plans[backend] = plan
         return plan
 
@@ -83,6 +88,7 @@ class MasterGradBuffer:
         self.buckets: list[Bucket] = []
         self._views: dict[int, torch.Tensor] = {}
         self._bucket_of: dict[int, Bucket] = {}
+        self._norm_slot = {id(p): i for i, p in enumerate(params)}
         self._build()
 
     def _build(self) -> None:
@@ -107,11 +113,13 @@ class MasterGradBuffer:
                 self._add_bucket(device, flat, members, start, total)
 
     def _add_bucket(self, device, flat, members, start, end) -> None:
-        bucket = Bucket(len(self.buckets), device, [], [], flat[start:end])
+        bucket = Bucket(len(self.buckets), device, [], [], flat[start:end],
+                        norm_size=len(self.params))
         for p, off in members:
             view = flat[off:off + p.numel()].view(p.shape)
             bucket.params.append(p)
             bucket.views.append(view)
+            bucket.norm_slots.append(self._norm_slot[id(p)])
             self._views[id(p)] = view
             self._bucket_of[id(p)] = bucket
             p.main_grad = view
@@ -149,22 +157,41 @@ class MasterGradBuffer:
         *,
         overwrite: bool = False,
         found_inf: torch.Tensor | None = None,
+        norm_sq: torch.Tensor | None = None,
         backend: str = "auto",
     ) -> None:
         """One fused launch: ``view(p) = (0 if overwrite else view(p)) + scale * grad``.
 
         Params of one bucket (all or some, in any order: what the wrapper passes) launch through
         the bucket's plan, which checks only the gradients; params of several buckets take the
-        general ``accumulate_``.
+        general ``accumulate_``. ``norm_sq`` (optional): a contiguous float32 vector of
+        ``len(self.params)`` elements on the params' device; element ``norm_index(p)`` (p's
+        index in ``self.params``) is overwritten with ``sum(view(p)**2)`` of the values just
+        written, for each launched p only (the other elements keep their values).
         """
         if params:
             bucket = self._bucket_of.get(id(params[0]))
             if bucket is not None:
                 try:
                     bucket.plan(backend)(grads, scale, keys=params, overwrite=overwrite,
-                                         found_inf=found_inf)
+                                         found_inf=found_inf, norm_sq=norm_sq)
                     return
                 except KeyError:  # not all in this bucket: nothing was written
                     pass
-        accumulate_([self.view(p) for p in params], grads, scale, overwrite=overwrite,
-                    found_inf=found_inf, backend=backend)
+        views = [self.view(p) for p in params]
+        if norm_sq is None:
+            accumulate_(views, grads, scale, overwrite=overwrite, found_inf=found_inf,
+                        backend=backend)
+            return
+        if views:
+            validate.check_norm_sq(norm_sq, len(self.params), views[0].device)
+        _accumulate_slots(views, grads, scale, overwrite, found_inf, norm_sq,
+                          [self._norm_slot[id(p)] for p in params], backend)
+
+    def norm_index(self, p: torch.Tensor) -> int:
+        """p's element of an ``accumulate(..., norm_sq=...)`` vector: its index in params."""
+        try:
+            return self._norm_slot[id(p)]
+        except KeyError:
+            raise KeyError("MasterGradBuffer.norm_index: this tensor is not managed by the "
+                           "buffer") from None

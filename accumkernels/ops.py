@@ -7,9 +7,10 @@ backends get the same checks first; the Python rules in ``backends/validate.py``
 wherever that reader cannot look (tensor subclasses, no extension).
 
 Under tracing (torch.compile, FakeTensorMode, make_fx, functorch) the call goes through the custom
-op ``torch.ops.accumkernels.accumulate_``, whose schema declares that it mutates ``dst`` and
-``found_inf``. Its fake implementation checks what needs no data (shapes, dtypes, devices); its
-real implementation is the eager path, so compiled code gets the same memory checks as eager.
+op ``torch.ops.accumkernels.accumulate_``, whose schema declares that it mutates ``dst``,
+``found_inf`` and ``norm_sq``. Its fake implementation checks what needs no data (shapes, dtypes,
+devices); its real implementation is the eager path, so compiled code gets the same memory checks
+as eager.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def available_backends(device: torch.device | str) -> list[str]:
     return backends.available_backends(device)
 
 
-@torch.library.custom_op("accumkernels::accumulate_", mutates_args=("dst", "found_inf"))
+@torch.library.custom_op("accumkernels::accumulate_",
+                         mutates_args=("dst", "found_inf", "norm_sq"))
 def _accumulate_op(
     dst: list[torch.Tensor],
     src: list[torch.Tensor],
@@ -54,14 +56,25 @@ def _accumulate_op(
     overwrite: bool,
     found_inf: torch.Tensor | None,
     backend: str,
+    norm_sq: torch.Tensor | None = None,
+    norm_slots: list[int] | None = None,
 ) -> None:
     if dst:
-        _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, dst[0].device)
+        _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, dst[0].device,
+             norm_sq, norm_slots)
 
 
 @_accumulate_op.register_fake
-def _accumulate_fake(dst, src, scale, scale_tensor, overwrite, found_inf, backend) -> None:
-    validate.check_shapes(dst, src, scale_tensor, found_inf)  # no data: nothing else to check
+def _accumulate_fake(dst, src, scale, scale_tensor, overwrite, found_inf, backend, norm_sq=None,
+                     norm_slots=None) -> None:
+    validate.check_shapes(dst, src, scale_tensor, found_inf, norm_sq,
+                          _norm_len(dst, norm_sq, norm_slots))  # no data: nothing else to check
+
+
+def _norm_len(dst: Sequence, norm_sq: torch.Tensor | None, norm_slots: list[int] | None) -> int:
+    """The elements norm_sq must have: one per dst, or (slots given by a plan or the buffer,
+    which checked its size) its own."""
+    return len(dst) if norm_slots is None or norm_sq is None else norm_sq.numel()
 
 
 def _as_list(name: str, tensors: object) -> Sequence:
@@ -91,15 +104,16 @@ def _scale_arg(scale: object) -> tuple[float, torch.Tensor | None]:
     return value, None
 
 
-def _check_call(src: object, overwrite: object, scale: object,
-                found_inf: object) -> tuple[Sequence, float, torch.Tensor | None]:
+def _check_call(src: object, overwrite: object, scale: object, found_inf: object,
+                norm_sq: object = None) -> tuple[Sequence, float, torch.Tensor | None]:
     """The checks every launch makes on its non-tensor arguments."""
     src = _as_list("src", src)
     if overwrite is not True and overwrite is not False:
         fail(TypeError, f"overwrite must be a bool, got {type(overwrite).__name__}")
     value, scale_tensor = _scale_arg(scale)
-    if found_inf is not None and not isinstance(found_inf, torch.Tensor):
-        fail(TypeError, f"found_inf must be a tensor or None, got {type(found_inf).__name__}")
+    for name, t in (("found_inf", found_inf), ("norm_sq", norm_sq)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            fail(TypeError, f"{name} must be a tensor or None, got {type(t).__name__}")
     return src, value, scale_tensor
 
 
@@ -118,6 +132,7 @@ def accumulate_(
     *,
     overwrite: bool = False,
     found_inf: torch.Tensor | None = None,
+    norm_sq: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """In place, in fp32: ``dst[i] = (0 if overwrite else dst[i]) + scale * float32(src[i])``.
@@ -126,8 +141,14 @@ def accumulate_(
     a 1-element float32 tensor on the device (read by the kernel: no host sync). ``found_inf``,
     if given, is a 1-element float32 tensor set to 1.0 when any written ``dst`` element is
     inf/NaN: a non-finite ``src`` element, or a sum that overflowed fp32 (never reset; ``dst`` is
-    written all the same). Every argument is validated before anything
-    is written; errors name the offending index.
+    written all the same). ``norm_sq``, if given, is a contiguous float32 tensor of ``len(dst)``
+    elements on the device, overwritten with ``norm_sq[i] = sum(dst[i]**2)`` of the values just
+    written, in the same pass (fp32 squares and sums; 0 for an empty dst; inf/NaN when a value
+    is, or when the sum overflows). Its relative error is at most about ``n * 2**-24`` for a dst
+    of n elements, and in practice far less: every backend adds short partial sums (per SIMD
+    lane, thread or block) before combining them; on CUDA and Triton, blocks combine by atomic
+    adds in no fixed order. Every argument is validated before anything is written; errors name
+    the offending index.
     """
     # Fast paths first (lists, a float scale): this prologue is most of a short call's cost.
     if type(dst) is not list and type(dst) is not tuple:
@@ -135,10 +156,11 @@ def accumulate_(
     if (type(src) is list or type(src) is tuple) and type(scale) is float \
             and -_FP32_OVERFLOW < scale < _FP32_OVERFLOW \
             and (overwrite is False or overwrite is True) \
-            and (found_inf is None or isinstance(found_inf, torch.Tensor)):
+            and (found_inf is None or isinstance(found_inf, torch.Tensor)) \
+            and (norm_sq is None or isinstance(norm_sq, torch.Tensor)):
         value, scale_tensor = scale, None
     else:
-        src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf)
+        src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf, norm_sq)
     if len(dst) != len(src):
         fail(ValueError, f"dst has {len(dst)} tensors but src has {len(src)}")
     if type(backend) is not str or backend not in _KNOWN_BACKENDS:
@@ -157,18 +179,49 @@ def accumulate_(
         if name == "cpu" and native.READER:  # the common case, straight to the extension
             flags = ((CHECK_AUTOGRAD if _grad_enabled() else 0)  # _flags(), inlined
                      | (0 if _inference_mode() else CHECK_INFERENCE))
-            if native.run_cpu(dst, src, value, scale_tensor, overwrite, found_inf, flags) is None:
+            if native.run_cpu(dst, src, value, scale_tensor, overwrite, found_inf, flags,
+                              norm_sq) is None:
                 return
         # Any other case, and a refused call (checked again there, to raise or go portable).
-        _run(dst, src, value, scale_tensor, overwrite, found_inf, name, device)
-    else:  # tracing: check what needs no data now; the op's real kernel checks the rest
-        validate.check_shapes(dst, src, scale_tensor, found_inf)
-        if torch.is_grad_enabled():  # the op's kernel runs with grad mode off: check here
-            refused = validate.find_unwritable(dst, found_inf, CHECK_AUTOGRAD)
-            if refused is not None:
-                validate.raise_failure(refused, dst, src, scale_tensor, found_inf)
-        torch.ops.accumkernels.accumulate_(list(dst), list(src), value, scale_tensor, overwrite,
-                                           found_inf, name)
+        _run(dst, src, value, scale_tensor, overwrite, found_inf, name, device, norm_sq)
+    else:
+        _traced(dst, src, value, scale_tensor, overwrite, found_inf, name, norm_sq, None)
+
+
+def _traced(dst, src, value, scale_tensor, overwrite, found_inf, name, norm_sq, norm_slots):
+    """Under tracing: check what needs no data now; the op's real kernel checks the rest."""
+    norm_len = _norm_len(dst, norm_sq, norm_slots)
+    validate.check_shapes(dst, src, scale_tensor, found_inf, norm_sq, norm_len)
+    if torch.is_grad_enabled():  # the op's kernel runs with grad mode off: check here
+        refused = validate.find_unwritable(dst, found_inf, CHECK_AUTOGRAD, norm_sq)
+        if refused is not None:
+            validate.raise_failure(refused, dst, src, scale_tensor, found_inf, norm_sq, norm_len)
+    torch.ops.accumkernels.accumulate_(list(dst), list(src), value, scale_tensor, overwrite,
+                                       found_inf, name, norm_sq, norm_slots)
+
+
+def _accumulate_slots(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor],
+                      scale: float | torch.Tensor, overwrite: bool, found_inf, norm_sq,
+                      norm_slots: list[int], backend: str) -> None:
+    """``accumulate_`` with dst[i]'s squared norm into ``norm_sq[norm_slots[i]]``: what a
+    LaunchPlan or MasterGradBuffer launch takes when it cannot use the C++ plan (the caller
+    checked norm_sq's size and the slots: in range, distinct)."""
+    src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf, norm_sq)
+    if len(dst) != len(src):
+        fail(ValueError, f"dst has {len(dst)} tensors but src has {len(src)}")
+    _check_backend(backend)
+    if not dst:
+        return
+    if not isinstance(dst[0], torch.Tensor):
+        fail(TypeError, f"dst[0] must be a torch.Tensor, got {type(dst[0]).__name__}")
+    device = dst[0].device
+    name = backends.resolve(backend, device)
+    if _plain_eager():
+        _run(dst, src, value, scale_tensor, overwrite, found_inf, name, device, norm_sq,
+             list(norm_slots))
+    else:
+        _traced(dst, src, value, scale_tensor, overwrite, found_inf, name, norm_sq,
+                list(norm_slots))
 
 
 def _flags() -> int:
@@ -177,37 +230,53 @@ def _flags() -> int:
             | (0 if _inference_mode() else CHECK_INFERENCE))
 
 
-def _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, device) -> None:
-    """The op on real tensors: check everything, bump versions, compute."""
+def _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, device, norm_sq=None,
+         norm_slots=None) -> None:
+    """The op on real tensors: check everything, bump versions, compute. ``norm_slots``: where
+    each dst's squared norm goes (None: norm_sq[i]; given: the portable path checks)."""
+    norm_len = _norm_len(dst, norm_sq, norm_slots)
     if device.type == "meta":  # no data: check what can be checked, write nothing
-        validate.check_shapes(dst, src, scale_tensor, found_inf)
+        validate.check_shapes(dst, src, scale_tensor, found_inf, norm_sq, norm_len)
         return
     flags = _flags()
-    if native.READER:
+    if native.READER and norm_slots is None:
         failed = native.run(dst, src, scale, scale_tensor, overwrite, found_inf, flags, backend,
-                            device)
+                            device, norm_sq)
         if failed is None:
             if backend not in native.KERNELS:  # checked and bumped; the backend computes
-                _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend)
+                _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend, norm_sq)
             return
         if failed[0] != "slow":
-            validate.raise_failure(failed, dst, src, scale_tensor, found_inf)
+            validate.raise_failure(failed, dst, src, scale_tensor, found_inf, norm_sq)
     # The portable path: the same rules in Python.
-    validate.check_all(dst, src, scale_tensor, found_inf, flags)
+    validate.check_all(dst, src, scale_tensor, found_inf, flags, norm_sq, norm_len)
+    if norm_slots is not None and (len(set(norm_slots)) != len(norm_slots)
+                                   or not all(0 <= s < norm_len for s in norm_slots)):
+        fail(ValueError, "norm slots must be distinct elements of norm_sq")
     torch._C._increment_version(dst)
-    if found_inf is not None:
-        torch._C._increment_version((found_inf,))
-    _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend)
+    outputs = tuple(t for t in (found_inf, norm_sq) if t is not None)
+    if outputs:
+        torch._C._increment_version(outputs)
+    _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend, norm_sq, norm_slots)
 
 
-def _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend) -> None:
+def _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend, norm_sq=None,
+             norm_slots=None) -> None:
+    slots = None
+    if norm_sq is not None:
+        slots = list(range(len(dst))) if norm_slots is None else list(norm_slots)
+        for d, s in zip(dst, slots):
+            if d.numel() == 0:
+                norm_sq[s].zero_()
     # Empty tensors carry no work; dropping them here keeps every backend branch-free.
     if not all(d.numel() for d in dst):
-        pairs = [(d, x) for d, x in zip(dst, src) if d.numel() > 0]
-        if not pairs:
+        kept = [k for k, d in enumerate(dst) if d.numel() > 0]
+        if not kept:
             return
-        dst, src = (list(t) for t in zip(*pairs))
-    backends.get(backend).accumulate(dst, src, scale, scale_tensor, overwrite, found_inf)
+        dst, src = [dst[k] for k in kept], [src[k] for k in kept]
+        slots = None if slots is None else [slots[k] for k in kept]
+    backends.get(backend).accumulate(dst, src, scale, scale_tensor, overwrite, found_inf,
+                                     norm_sq, slots)
 
 
 def call_layers(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale: float = 1.0, *,
@@ -261,12 +330,19 @@ class LaunchPlan:
     its own (``view.data = t``) is not seen (the write lands in the owner's memory, which stays
     valid). Without the extension's tensor reader, or for backends other than ``cpu``/``cuda``,
     a launch is a plain ``accumulate_``.
+
+    A launch's ``norm_sq`` (optional, see ``accumulate_``) is a float32 vector of ``norm_size``
+    elements (default: one per dst); the squared norm of ``dst[i]`` goes to element
+    ``norm_slots[i]`` (default: ``i``), and a launch writes only the elements of the dst it
+    writes, the others keep their values.
     """
 
     def __init__(self, dst: Sequence[torch.Tensor], *, keys: Sequence | None = None,
-                 owner: torch.Tensor | None = None, backend: str = "auto"):
+                 owner: torch.Tensor | None = None, backend: str = "auto",
+                 norm_slots: Sequence[int] | None = None, norm_size: int | None = None):
         dst = list(_as_list("dst", dst))
         _check_backend(backend)
+        self.norm_slots, self.norm_size = _plan_norm_slots(len(dst), norm_slots, norm_size)
         if keys is not None:
             keys = list(keys)
             if len(keys) != len(dst) or len({id(k) for k in keys}) != len(keys):
@@ -285,7 +361,9 @@ class LaunchPlan:
         if native.READER and self.backend in native.KERNELS and dst:
             inference = owner.is_inference() if owner is not None else any(
                 d.is_inference() for d in dst)
-            plan = native.make_plan(dst, keys, owner, inference)
+            plan = native.make_plan(dst, keys, owner, inference,
+                                    None if norm_slots is None else self.norm_slots,
+                                    self.norm_size)
             if isinstance(plan, tuple):
                 if plan[0] != "slow":
                     validate.raise_failure(plan, dst, dst, None, None)
@@ -297,26 +375,36 @@ class LaunchPlan:
 
     def __call__(self, src: Sequence[torch.Tensor], scale: float | torch.Tensor = 1.0, *,
                  keys: Sequence | None = None, overwrite: bool = False,
-                 found_inf: torch.Tensor | None = None) -> None:
+                 found_inf: torch.Tensor | None = None,
+                 norm_sq: torch.Tensor | None = None) -> None:
         """``dst_k = (0 if overwrite else dst_k) + scale * src[k]`` where ``dst_k`` is the dst of
-        ``keys[k]`` (without keys: ``dst[k]``, and src covers every dst). A key that is not one of
-        the plan's raises KeyError (before anything is written)."""
-        src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf)
+        ``keys[k]`` (without keys: ``dst[k]``, and src covers every dst); with ``norm_sq``, its
+        element ``norm_slots[j]`` = the squared norm of each written ``dst[j]``. A key that is not
+        one of the plan's raises KeyError (before anything is written)."""
+        src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf, norm_sq)
         if keys is not None and len(keys) != len(src):
             fail(ValueError, f"dst has {len(keys)} tensors but src has {len(src)}")
         if keys is None and len(src) != len(self.dst):
             fail(ValueError, f"dst has {len(self.dst)} tensors but src has {len(src)}")
         if self._native is not None and _plain_eager():
             failed = native.run_plan(self._native, keys, src, value, scale_tensor, overwrite,
-                                     found_inf, _flags(), self.backend, self.device)
+                                     found_inf, _flags(), self.backend, self.device, norm_sq)
             if failed is None:
                 return
             if failed[0] == "plan_stale":
                 self._raise_stale(failed)
             if failed[0] not in ("slow", "not_member"):
-                validate.raise_failure(failed, self._select(keys), src, scale_tensor, found_inf)
-        accumulate_(self._select(keys), src, scale, overwrite=overwrite, found_inf=found_inf,
-                    backend=self.backend)
+                validate.raise_failure(failed, self._select(keys), src, scale_tensor, found_inf,
+                                       norm_sq, self.norm_size)
+        if norm_sq is None:
+            accumulate_(self._select(keys), src, scale, overwrite=overwrite, found_inf=found_inf,
+                        backend=self.backend)
+            return
+        positions = self._positions(keys)
+        if self.dst:
+            validate.check_norm_sq(norm_sq, self.norm_size, self.device)
+        _accumulate_slots([self.dst[i] for i in positions], src, scale, overwrite, found_inf,
+                          norm_sq, [self.norm_slots[i] for i in positions], self.backend)
 
     def layers(self, src: Sequence[torch.Tensor], scale: float = 1.0, *,
                keys: Sequence | None = None,
@@ -342,11 +430,34 @@ class LaunchPlan:
              "nothing was written; build a new plan")
 
     def _select(self, keys: Sequence | None) -> list[torch.Tensor]:
+        return self.dst if keys is None else [self.dst[i] for i in self._positions(keys)]
+
+    def _positions(self, keys: Sequence | None) -> list[int]:
+        """The dst index of each key (without keys: every dst)."""
         if keys is None:
-            return self.dst
+            return list(range(len(self.dst)))
         if self._slot_of is None:
             self._slot_of = {id(k): i for i, k in enumerate(self.keys or ())}
         try:
-            return [self.dst[self._slot_of[id(k)]] for k in keys]
+            return [self._slot_of[id(k)] for k in keys]
         except KeyError:
             raise KeyError("LaunchPlan: a key is not one of this plan's keys") from None
+
+
+def _plan_norm_slots(n: int, slots: Sequence[int] | None,
+                     size: int | None) -> tuple[list[int], int]:
+    """A plan's norm_sq layout: (the element of each dst, the elements), checked."""
+    if size is None:
+        size = n
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"LaunchPlan: norm_size must be an int >= 0, got {size!r}")
+    if slots is None:
+        if size != n:
+            raise ValueError("LaunchPlan: a norm_size other than len(dst) needs norm_slots")
+        return list(range(n)), size
+    slots = list(slots)
+    if len(slots) != n or any(isinstance(s, bool) or not isinstance(s, int) for s in slots) \
+            or len(set(slots)) != n or not all(0 <= s < size for s in slots):
+        raise ValueError(f"LaunchPlan: norm_slots must give each dst a distinct int in "
+                         f"[0, {size})")
+    return slots, size

@@ -1,4 +1,5 @@
-// accumkernels native kernels: dst[i] = (overwrite ? 0 : dst[i]) + scale * float32(src[i]).
+// accumkernels native kernels: dst[i] = (overwrite ? 0 : dst[i]) + scale * float32(src[i]),
+// optionally with the squared L2 norm of each written dst (norm_sq).
 //
 // Plain C++ interface (no Python, no libtorch): raw pointers, sizes and dtype codes, so that
 // accumulate_cuda.cu compiles with nvcc alone and bindings.cpp is the only pybind11 user.
@@ -19,13 +20,17 @@ enum DType : int32_t {
 };
 
 // One (dst, src) pair: dst is a contiguous float32 array, src a contiguous array of `dtype`,
-// both `numel` elements long.
+// both `numel` elements long. `norm_slot`: where its squared norm goes (read only with norm_sq).
 struct TensorPair {
   float* dst;
   const void* src;
   int64_t numel;
   int32_t dtype;
+  int32_t norm_slot;
 };
+
+// norm_slot must lie in [0, kMaxNormSlots) (the CUDA table packs it next to the dtype code).
+constexpr int32_t kMaxNormSlots = int32_t{1} << 29;
 
 // Arguments shared by both backends.
 struct AccumulateArgs {
@@ -35,6 +40,13 @@ struct AccumulateArgs {
   const float* scale_ptr;     // optional: scale read from here (host for CPU, device for CUDA)
   bool overwrite;             // true: dst = scale * src, dst is never read
   float* found_inf;           // optional: set to 1.0f if any written dst element is inf/NaN
+  // Optional: norm_sq[p.norm_slot] = sum over p's elements of dst^2, the values just written
+  // (fp32 squares, fp32 sums; overwritten, not added to; inf/NaN when a written value is, or
+  // when the sum overflows). With it, pairs with numel == 0 are not skipped: their slot gets 0.
+  // Each fp32 partial sum adds a bounded number of terms (CPU: <= 4096 per SIMD lane of a chunk,
+  // then chunk partials in order; CUDA: 32 per thread, a warp tree, then one atomicAdd per warp
+  // and chunk), so the relative error stays far below the worst case n * 2^-24.
+  float* norm_sq = nullptr;
 };
 
 // CPU: parallel over fixed-size chunks of the whole list with `num_threads` threads

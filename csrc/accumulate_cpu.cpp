@@ -6,7 +6,6 @@
 // splitting the *whole list* into fixed-size chunks, so a list of one huge and many tiny
 // tensors still keeps every thread busy.
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -77,8 +76,9 @@ inline float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>
 
 inline uint32_t is_nonfinite(float x) { return (float_bits(x) & kF32ExpMask) == kF32ExpMask; }
 
-// A kernel handles one contiguous run of one tensor and returns nonzero if it saw inf/NaN.
-using RunFn = uint32_t (*)(float* dst, const void* src, int64_t n, float scale);
+// A kernel handles one contiguous run of one tensor and returns nonzero if it saw inf/NaN; with
+// kNorm it also stores the run's sum of squares of the written values in *sq.
+using RunFn = uint32_t (*)(float* dst, const void* src, int64_t n, float scale, float* sq);
 
 template <int kDType>
 inline float load_src(const void* src, int64_t i) {
@@ -87,20 +87,48 @@ inline float load_src(const void* src, int64_t i) {
   return static_cast<const float*>(src)[i];
 }
 
+template <int kDType, bool kOverwrite>
+inline float generic_step(float* __restrict dst, const void* src, int64_t i, float scale) {
+  const float x = load_src<kDType>(src, i);
+#if defined(__FP_FAST_FMAF)  // hardware FMA in the baseline ISA (e.g. aarch64): one rounding
+  const float y = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
+#else
+  const float y = kOverwrite ? scale * x : dst[i] + scale * x;
+#endif
+  dst[i] = y;
+  return y;
+}
+
 // Portable loop; at -O3 GCC/Clang vectorise it with the baseline ISA (SSE2, NEON, ...).
 // kCheck: look for inf/NaN (only when the caller passed found_inf: it costs ALU work per element).
-template <int kDType, bool kOverwrite, bool kCheck>
-uint32_t run_generic(float* __restrict dst, const void* src, int64_t n, float scale) {
+// kNorm: sum the squares in kLanes independent partial sums (vectorisable, and each adds only
+// n / kLanes terms).
+template <int kDType, bool kOverwrite, bool kCheck, bool kNorm>
+uint32_t run_generic(float* __restrict dst, const void* src, int64_t n, float scale, float* sq) {
   uint32_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = load_src<kDType>(src, i);
-#if defined(__FP_FAST_FMAF)  // hardware FMA in the baseline ISA (e.g. aarch64): one rounding
-    const float y = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
-#else
-    const float y = kOverwrite ? scale * x : dst[i] + scale * x;
-#endif
-    dst[i] = y;
-    if constexpr (kCheck) bad |= is_nonfinite(y);  // a non-finite src, or an overflowed sum
+  if constexpr (!kNorm) {
+    (void)sq;
+    for (int64_t i = 0; i < n; ++i) {
+      const float y = generic_step<kDType, kOverwrite>(dst, src, i, scale);
+      if constexpr (kCheck) bad |= is_nonfinite(y);  // a non-finite src, or an overflowed sum
+    }
+  } else {
+    constexpr int kLanes = 8;
+    float lane[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int k = 0; k < kLanes; ++k) {
+        const float y = generic_step<kDType, kOverwrite>(dst, src, i + k, scale);
+        if constexpr (kCheck) bad |= is_nonfinite(y);
+        lane[k] += y * y;
+      }
+    }
+    for (int k = 0; i < n; ++i, ++k) {
+      const float y = generic_step<kDType, kOverwrite>(dst, src, i, scale);
+      if constexpr (kCheck) bad |= is_nonfinite(y);
+      lane[k] += y * y;
+    }
+    *sq = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
   }
   return bad;
 }
@@ -108,15 +136,16 @@ uint32_t run_generic(float* __restrict dst, const void* src, int64_t n, float sc
 #if defined(ACCUMKERNELS_X86_DISPATCH)
 // AVX2 + FMA + F16C, compiled for those ISAs only inside this function (the rest of the
 // module stays baseline x86-64) and selected at run time with __builtin_cpu_supports.
-template <int kDType, bool kOverwrite, bool kCheck>
+template <int kDType, bool kOverwrite, bool kCheck, bool kNorm>
 __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst,
                                                             const void* src, int64_t n,
-                                                            float scale) {
+                                                            float scale, float* sq) {
   const auto* s16 = static_cast<const uint16_t*>(src);
   const auto* s32 = static_cast<const float*>(src);
   const __m256 vscale = _mm256_set1_ps(scale);
   const __m256i exp_mask = _mm256_set1_epi32(static_cast<int>(kF32ExpMask));
   __m256i bad = _mm256_setzero_si256();
+  __m256 sq0 = _mm256_setzero_ps(), sq1 = _mm256_setzero_ps();  // kNorm: 16 partial sums
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m256 x0, x1;
@@ -142,6 +171,10 @@ __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst
     }
     _mm256_storeu_ps(dst + i, y0);
     _mm256_storeu_ps(dst + i + 8, y1);
+    if constexpr (kNorm) {
+      sq0 = _mm256_fmadd_ps(y0, y0, sq0);
+      sq1 = _mm256_fmadd_ps(y1, y1, sq1);
+    }
     if constexpr (kCheck) {  // on the result: a non-finite src, or an overflowed sum
       const __m256i e0 = _mm256_and_si256(_mm256_castps_si256(y0), exp_mask);
       const __m256i e1 = _mm256_and_si256(_mm256_castps_si256(y1), exp_mask);
@@ -150,6 +183,7 @@ __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst
     }
   }
   uint32_t bad_tail = 0;
+  float sq_tail = 0.0f;
   for (; i < n; ++i) {  // same arithmetic as the vector body: F16C convert, fused multiply-add
     float x;
     if constexpr (kDType == kBFloat16) x = bf16_to_float(s16[i]);
@@ -158,41 +192,54 @@ __attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst
     const float y = kOverwrite ? scale * x : __builtin_fmaf(scale, x, dst[i]);
     dst[i] = y;
     if constexpr (kCheck) bad_tail |= is_nonfinite(y);
+    if constexpr (kNorm) sq_tail = __builtin_fmaf(y, y, sq_tail);
+  }
+  if constexpr (kNorm) {  // a tree over the 16 lanes, then the tail
+    const __m256 s8 = _mm256_add_ps(sq0, sq1);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    *sq = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) + sq_tail;
+  } else {
+    (void)sq;
   }
   return bad_tail | static_cast<uint32_t>(!_mm256_testz_si256(bad, bad));
 }
 #endif
 
 struct Kernels {
-  RunFn run[3][2][2];  // [dtype][overwrite][check]
+  RunFn run[3][2][2][2];  // [dtype][overwrite][check][norm]
   const char* name;
 };
 
-template <template <int, bool, bool> class Pick, int D>
-constexpr std::array<std::array<RunFn, 2>, 2> pick_dtype() {
-  return {{{Pick<D, false, false>::fn, Pick<D, false, true>::fn},
-           {Pick<D, true, false>::fn, Pick<D, true, true>::fn}}};
+template <template <int, bool, bool, bool> class Pick, int D>
+void fill_dtype(Kernels& k) {
+  k.run[D][0][0][0] = Pick<D, false, false, false>::fn;
+  k.run[D][0][0][1] = Pick<D, false, false, true>::fn;
+  k.run[D][0][1][0] = Pick<D, false, true, false>::fn;
+  k.run[D][0][1][1] = Pick<D, false, true, true>::fn;
+  k.run[D][1][0][0] = Pick<D, true, false, false>::fn;
+  k.run[D][1][0][1] = Pick<D, true, false, true>::fn;
+  k.run[D][1][1][0] = Pick<D, true, true, false>::fn;
+  k.run[D][1][1][1] = Pick<D, true, true, true>::fn;
 }
 
-template <template <int, bool, bool> class Pick>
+template <template <int, bool, bool, bool> class Pick>
 Kernels make_kernels(const char* name) {
   Kernels k{};
-  const std::array<std::array<std::array<RunFn, 2>, 2>, 3> all = {
-      pick_dtype<Pick, kFloat32>(), pick_dtype<Pick, kBFloat16>(), pick_dtype<Pick, kFloat16>()};
-  for (int d = 0; d < 3; ++d)
-    for (int o = 0; o < 2; ++o)
-      for (int c = 0; c < 2; ++c) k.run[d][o][c] = all[d][o][c];
+  fill_dtype<Pick, kFloat32>(k);
+  fill_dtype<Pick, kBFloat16>(k);
+  fill_dtype<Pick, kFloat16>(k);
   k.name = name;
   return k;
 }
-template <int D, bool O, bool C>
+template <int D, bool O, bool C, bool N>
 struct PickGeneric {
-  static constexpr RunFn fn = &run_generic<D, O, C>;
+  static constexpr RunFn fn = &run_generic<D, O, C, N>;
 };
 #if defined(ACCUMKERNELS_X86_DISPATCH)
-template <int D, bool O, bool C>
+template <int D, bool O, bool C, bool N>
 struct PickAvx2 {
-  static constexpr RunFn fn = &run_avx2<D, O, C>;
+  static constexpr RunFn fn = &run_avx2<D, O, C, N>;
 };
 #endif
 
@@ -245,11 +292,101 @@ bool cpu_has_openmp() {
 #endif
 }
 
+namespace {
+
+const void* src_at(const TensorPair& p, int64_t start) {
+  const size_t elem = p.dtype == kFloat32 ? 4 : 2;
+  return static_cast<const char*>(p.src) + static_cast<size_t>(start) * elem;
+}
+
+// The whole list on the calling thread. With norm_sq, each tensor in pieces of at most
+// kChunkElems elements whose partial sums are added in order (every partial sum stays short).
+uint32_t run_serial(const AccumulateArgs& args, const Kernels& k, float scale, int ow, int check) {
+  uint32_t bad = 0;
+  for (size_t i = 0; i < args.num_tensors; ++i) {
+    const TensorPair& p = args.tensors[i];
+    if (args.norm_sq == nullptr) {
+      if (p.numel > 0) bad |= k.run[p.dtype][ow][check][0](p.dst, p.src, p.numel, scale, nullptr);
+      continue;
+    }
+    float sum = 0.0f;
+    for (int64_t s = 0; s < p.numel; s += kChunkElems) {
+      float part = 0.0f;
+      bad |= k.run[p.dtype][ow][check][1](p.dst + s, src_at(p, s),
+                                          std::min(kChunkElems, p.numel - s), scale, &part);
+      sum += part;
+    }
+    args.norm_sq[p.norm_slot] = sum;
+  }
+  return bad;
+}
+
+// The list cut into chunks over `num_threads` threads; with norm_sq, each chunk's partial sum
+// is kept and the partials of each tensor are added in chunk order afterwards.
+uint32_t run_parallel(const AccumulateArgs& args, const Kernels& k, float scale, int ow,
+                      int check, int num_threads, int64_t total) {
+  const TensorPair* t = args.tensors;
+  // Chunks of at most kChunkElems, and small enough that each thread gets about
+  // kChunksPerThread of them: a call just above the threshold still splits evenly.
+  const int64_t even = (total + int64_t{num_threads} * kChunksPerThread - 1) /
+                       (int64_t{num_threads} * kChunksPerThread);
+  const int64_t chunk = std::clamp((even + 63) / 64 * 64, kMinChunkElems, kChunkElems);
+  std::vector<Chunk> chunks;
+  chunks.reserve(static_cast<size_t>(total / chunk + args.num_tensors));
+  for (size_t i = 0; i < args.num_tensors; ++i)
+    for (int64_t s = 0; s < t[i].numel; s += chunk) chunks.push_back({static_cast<uint32_t>(i), s});
+  num_threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(num_threads), chunks.size()));
+  const int norm = args.norm_sq != nullptr ? 1 : 0;
+  std::vector<float> part(norm ? chunks.size() : 0);
+  auto run_chunk = [&](size_t c) -> uint32_t {
+    const TensorPair& p = t[chunks[c].tensor];
+    const int64_t start = chunks[c].start;
+    return k.run[p.dtype][ow][check][norm](p.dst + start, src_at(p, start),
+                                           std::min(chunk, p.numel - start), scale,
+                                           norm ? &part[c] : nullptr);
+  };
+  const int64_t n = static_cast<int64_t>(chunks.size());
+  uint32_t bad = 0;
+#if defined(_OPENMP)
+  // Static schedule: each thread streams one contiguous run of the list, which the hardware
+  // prefetchers like; chunks are equal-sized except per-tensor tails, so balance is good.
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : bad)
+  for (int64_t c = 0; c < n; ++c) bad |= run_chunk(static_cast<size_t>(c));
+#else
+  std::atomic<int64_t> next{0};
+  std::atomic<uint32_t> shared_bad{0};
+  auto worker = [&] {
+    uint32_t b = 0;
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;)
+      b |= run_chunk(static_cast<size_t>(c));
+    shared_bad.fetch_or(b, std::memory_order_relaxed);
+  };
+  std::vector<std::thread> pool;
+  for (int i = 1; i < num_threads; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+  bad = shared_bad.load();
+#endif
+  if (norm) {  // chunks are in tensor order; an empty tensor has none and gets 0
+    size_t c = 0;
+    for (size_t i = 0; i < args.num_tensors; ++i) {
+      float sum = 0.0f;
+      for (; c < chunks.size() && chunks[c].tensor == i; ++c) sum += part[c];
+      args.norm_sq[t[i].norm_slot] = sum;
+    }
+  }
+  return bad;
+}
+
+}  // namespace
+
 void accumulate_cpu(const AccumulateArgs& args, int num_threads) {
   const TensorPair* t = args.tensors;
   int64_t total = 0;
   for (size_t i = 0; i < args.num_tensors; ++i) {  // the memory guards, before writing
     if (t[i].numel < 0) throw std::invalid_argument("accumulate_cpu: negative numel");
+    if (args.norm_sq != nullptr && (t[i].norm_slot < 0 || t[i].norm_slot >= kMaxNormSlots))
+      throw std::invalid_argument("accumulate_cpu: norm slot out of range");
     if (t[i].numel == 0) continue;
     if (t[i].dtype < kFloat32 || t[i].dtype > kFloat16)
       throw std::invalid_argument("accumulate_cpu: unknown src dtype code");
@@ -257,7 +394,7 @@ void accumulate_cpu(const AccumulateArgs& args, int num_threads) {
       throw std::invalid_argument("accumulate_cpu: null data pointer");
     total += t[i].numel;
   }
-  if (total == 0) return;
+  if (total == 0 && args.norm_sq == nullptr) return;
   if (args.num_tensors > UINT32_MAX) throw std::invalid_argument("accumulate_cpu: too many tensors");
 
   const Kernels& k = kernels();
@@ -266,54 +403,10 @@ void accumulate_cpu(const AccumulateArgs& args, int num_threads) {
   const int check = args.found_inf != nullptr ? 1 : 0;
   if (num_threads <= 0) num_threads = default_threads();
 
-  uint32_t bad = 0;
-  if (total < g_serial_below.load(std::memory_order_relaxed) || num_threads <= 1) {
-    for (size_t i = 0; i < args.num_tensors; ++i)
-      if (t[i].numel > 0)
-        bad |= k.run[t[i].dtype][ow][check](t[i].dst, t[i].src, t[i].numel, scale);
-  } else {
-    // Chunks of at most kChunkElems, and small enough that each thread gets about
-    // kChunksPerThread of them: a call just above the threshold still splits evenly.
-    const int64_t even = (total + int64_t{num_threads} * kChunksPerThread - 1) /
-                         (int64_t{num_threads} * kChunksPerThread);
-    const int64_t chunk = std::clamp((even + 63) / 64 * 64, kMinChunkElems, kChunkElems);
-    std::vector<Chunk> chunks;
-    chunks.reserve(static_cast<size_t>(total / chunk + args.num_tensors));
-    for (size_t i = 0; i < args.num_tensors; ++i)
-      for (int64_t s = 0; s < t[i].numel; s += chunk)
-        chunks.push_back({static_cast<uint32_t>(i), s});
-    num_threads =
-        static_cast<int>(std::min<size_t>(static_cast<size_t>(num_threads), chunks.size()));
-    auto run_chunk = [&](size_t c) -> uint32_t {
-      const TensorPair& p = t[chunks[c].tensor];
-      const int64_t start = chunks[c].start;
-      const int64_t len = std::min(chunk, p.numel - start);
-      const size_t elem = p.dtype == kFloat32 ? 4 : 2;
-      const void* src = static_cast<const char*>(p.src) + static_cast<size_t>(start) * elem;
-      return k.run[p.dtype][ow][check](p.dst + start, src, len, scale);
-    };
-    const int64_t n = static_cast<int64_t>(chunks.size());
-#if defined(_OPENMP)
-    // Static schedule: each thread streams one contiguous run of the list, which the hardware
-    // prefetchers like; chunks are equal-sized except per-tensor tails, so balance is good.
-#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : bad)
-    for (int64_t c = 0; c < n; ++c) bad |= run_chunk(static_cast<size_t>(c));
-#else
-    std::atomic<int64_t> next{0};
-    std::atomic<uint32_t> shared_bad{0};
-    auto worker = [&] {
-      uint32_t b = 0;
-      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;)
-        b |= run_chunk(static_cast<size_t>(c));
-      shared_bad.fetch_or(b, std::memory_order_relaxed);
-    };
-    std::vector<std::thread> pool;
-    for (int i = 1; i < num_threads; ++i) pool.emplace_back(worker);
-    worker();
-    for (auto& th : pool) th.join();
-    bad = shared_bad.load();
-#endif
-  }
+  const uint32_t bad =
+      total < g_serial_below.load(std::memory_order_relaxed) || num_threads <= 1
+          ? run_serial(args, k, scale, ow, check)
+          : run_parallel(args, k, scale, ow, check, num_threads, total);
   if (bad && args.found_inf) *args.found_inf = 1.0f;
 }
 

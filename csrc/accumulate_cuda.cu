@@ -1,5 +1,5 @@
 // CUDA kernel: dst = (overwrite ? 0 : dst) + scale * float32(src) over a whole list of tensors
-// in ONE launch, with a fused non-finite check.
+// in ONE launch, with a fused non-finite check and, optionally, each dst's squared L2 norm.
 //
 // Design (apex's multi_tensor_apply, improved):
 //  * every tensor is cut into kChunkElems-element chunks; a table holds, per tensor, its
@@ -10,7 +10,13 @@
 //  * a persistent grid (SMs x kBlocksPerSM blocks) strides over chunks, each chunk finding its
 //    tensor by binary search over the prefix sums, so any list is one launch;
 //  * the dtype branch is uniform per chunk; aligned chunks use 16-byte loads/stores
-//    (8 bf16/fp16 -> 2 x float4), unaligned tensors and tails a scalar loop.
+//    (8 bf16/fp16 -> 2 x float4), unaligned tensors and tails a scalar loop;
+//  * norm_sq (the kNorm instantiations, so calls without it run the unchanged kernel): a first
+//    one-block launch of the same kernel zeroes the launch's slots, then each thread sums the
+//    squares it writes in a chunk, a warp shuffle tree adds the warp's sums and lane 0
+//    atomicAdds them to the tensor's slot (8 atomics per 8192-element chunk). No allocation and
+//    no host sync, so it captures in CUDA graphs like the rest; the order of the atomic adds
+//    varies from run to run (the result may differ in the last bits, within the bound).
 //
 // Compile-time switch ACCUMKERNELS_VEC_STORE picks the 16-byte store of the vector path (set by
 // CMake's ACCUMKERNELS_CUDA_STORE, so a GPU session can build and time both):
@@ -35,11 +41,11 @@
 namespace accumkernels {
 namespace {
 
-template <class Table, bool kOverwrite>
+template <class Table, bool kOverwrite, bool kNorm>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSM)
     accumulate_kernel(const __grid_constant__ Table table, const LaunchArgs args) {
   const bool bad =
-      accumulate_thread<Table, kOverwrite>(table, args, blockIdx.x, threadIdx.x, gridDim.x);
+      kernel_thread<Table, kOverwrite, kNorm>(table, args, blockIdx.x, threadIdx.x, gridDim.x);
   // found_inf is uniform, so every thread of the block reaches the barrier or none does.
   if (args.found_inf != nullptr) after_barrier(args, __syncthreads_or(bad), threadIdx.x);
 }
@@ -98,9 +104,9 @@ struct CudaLauncher {
 
   int64_t max_grid() const { return int64_t{sm_count(device)} * kBlocksPerSM; }
   bool capturing() const { return stream_is_capturing(stream); }
-  template <class Table, bool kOverwrite>
+  template <class Table, bool kOverwrite, bool kNorm>
   void run(const Table& table, const LaunchArgs& args, unsigned grid) {
-    accumulate_kernel<Table, kOverwrite><<<grid, kBlockThreads, 0, stream>>>(table, args);
+    accumulate_kernel<Table, kOverwrite, kNorm><<<grid, kBlockThreads, 0, stream>>>(table, args);
     check(cudaGetLastError(), "accumulate kernel launch");
   }
   // The table in device memory, allocated, filled and freed in stream order (the host buffer is
@@ -130,10 +136,22 @@ std::string version_text(int v) {  // 13000 -> "13.0"
 }
 
 // Loads one kernel instantiation (cudaFuncGetAttributes forces the lazy module load).
-template <class Table, bool kOverwrite>
+template <class Table, bool kOverwrite, bool kNorm>
 cudaError_t load_kernel() {
   cudaFuncAttributes attr{};
-  return cudaFuncGetAttributes(&attr, accumulate_kernel<Table, kOverwrite>);
+  return cudaFuncGetAttributes(&attr, accumulate_kernel<Table, kOverwrite, kNorm>);
+}
+
+// Every instantiation for one table type: add/overwrite, without and with norm_sq.
+template <class Table>
+cudaError_t load_table_kernels() {
+  const cudaError_t loads[] = {load_kernel<Table, false, false>(),
+                               load_kernel<Table, true, false>(),
+                               load_kernel<Table, false, true>(),
+                               load_kernel<Table, true, true>()};
+  for (const cudaError_t e : loads)
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -166,12 +184,10 @@ std::string cuda_prepare(int device, bool load_kernels) {
   try {
     DeviceGuard guard(device);
     // Every instantiation, so that no kernel is first loaded inside a CUDA-graph capture.
-    const cudaError_t loads[] = {
-        load_kernel<ParamTable<64>, false>(),  load_kernel<ParamTable<64>, true>(),
-        load_kernel<ParamTable<256>, false>(), load_kernel<ParamTable<256>, true>(),
-        load_kernel<ParamTable<kMaxParamTensors>, false>(),
-        load_kernel<ParamTable<kMaxParamTensors>, true>(),
-        load_kernel<DeviceTable, false>(),     load_kernel<DeviceTable, true>()};
+    const cudaError_t loads[] = {load_table_kernels<ParamTable<64>>(),
+                                 load_table_kernels<ParamTable<256>>(),
+                                 load_table_kernels<ParamTable<kMaxParamTensors>>(),
+                                 load_table_kernels<DeviceTable>()};
     for (const cudaError_t e : loads) {
       if (e != cudaSuccess) {
         (void)cudaGetLastError();

@@ -4,7 +4,9 @@
 // compiler into every build of _C: no GPU, no CUDA runtime.
 //
 // Threads of a block only meet at the final barrier (each writes its own elements; the scale and
-// the table are read-only), so running them one after another is one valid schedule.
+// the table are read-only), so running them one after another is one valid schedule. With
+// norm_sq they also meet in a warp's shuffle tree before its atomicAdd: here each thread adds
+// its own partial sum to the slot instead (same slots, same terms, another summation order).
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -33,15 +35,15 @@ struct HostLauncher {
 
   int64_t max_grid() const { return int64_t{g_sm_count.load()} * kBlocksPerSM; }
   bool capturing() const { return g_capturing.load(); }
-  template <class Table, bool kOverwrite>
+  template <class Table, bool kOverwrite, bool kNorm>
   void run(const Table& table, const LaunchArgs& args, unsigned grid) {
-    log.push_back(table_name(table) + " grid=" + std::to_string(grid) +
-                  " chunks=" + std::to_string(args.num_chunks) +
+    log.push_back(std::string(args.zero_norm ? "zero_norm " : "") + table_name(table) +
+                  " grid=" + std::to_string(grid) + " chunks=" + std::to_string(args.num_chunks) +
                   " tensors=" + std::to_string(table.num_tensors));
     for (unsigned block = 0; block < grid; ++block) {
       bool block_bad = false;  // __syncthreads_or over the block
       for (unsigned thread = 0; thread < kBlockThreads; ++thread)
-        block_bad |= accumulate_thread<Table, kOverwrite>(table, args, block, thread, grid);
+        block_bad |= kernel_thread<Table, kOverwrite, kNorm>(table, args, block, thread, grid);
       if (args.found_inf != nullptr)
         for (unsigned thread = 0; thread < kBlockThreads; ++thread)
           after_barrier(args, block_bad, thread);

@@ -183,8 +183,12 @@ struct TensorEntry {  // 32 bytes
   const void* src;
   int64_t numel;
   int32_t chunk_begin;  // index of this tensor's first chunk in the launch
-  int32_t dtype;
+  int32_t dtype;        // the dtype code; with norm_sq, | norm_slot << kDTypeBits
 };
+
+constexpr int kDTypeBits = 2;
+constexpr int32_t kDTypeMask = (1 << kDTypeBits) - 1;
+static_assert(kMaxNormSlots <= (INT32_MAX >> kDTypeBits) + 1, "norm slots do not fit the table");
 
 template <int kCap>
 struct ParamTable {
@@ -203,6 +207,8 @@ struct LaunchArgs {
   float scale;             // used when scale_ptr is null
   const float* scale_ptr;  // device address or null
   float* found_inf;        // device address or null
+  float* norm_sq;          // device address or null (the kNorm kernels only)
+  bool zero_norm;          // kNorm only: this launch (one block) zeroes the table's norm slots
 };
 
 // ---- per-thread work ---------------------------------------------------------------------------
@@ -236,10 +242,10 @@ AK_HD void load8_dst(const float* p, float (&x)[kVec]) {
 }
 
 // One chunk (len <= kChunkElems elements) by the whole block, as thread `thread` of it; returns
-// this thread's bad flag.
-template <typename T, bool kOverwrite>
+// this thread's bad flag. kNorm: adds the squares of the values it writes to `sq`.
+template <typename T, bool kOverwrite, bool kNorm>
 AK_HD bool accumulate_chunk(float* __restrict__ dst, const T* __restrict__ src, int len,
-                            float scale, unsigned thread) {
+                            float scale, unsigned thread, float& sq) {
   int scalar_from = 0;  // (declared first: keeps the SASS of the pre-host-build kernel)
   bool bad = false;
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
@@ -263,6 +269,7 @@ AK_HD bool accumulate_chunk(float* __restrict__ dst, const T* __restrict__ src, 
           for (int k = 0; k < kVec; ++k) {
             d[u][k] = kOverwrite ? scale * x[u][k] : fmaf(scale, x[u][k], d[u][k]);
             bad |= nonfinite(d[u][k]);  // a non-finite src, or an overflowed sum
+            if (kNorm) sq = fmaf(d[u][k], d[u][k], sq);
           }
           float* out = dst + v * kVec;
           store4(out, d[u][0], d[u][1], d[u][2], d[u][3]);
@@ -279,13 +286,31 @@ AK_HD bool accumulate_chunk(float* __restrict__ dst, const T* __restrict__ src, 
     const float y = kOverwrite ? scale * x : fmaf(scale, x, dst[i]);
     dst[i] = y;
     bad |= nonfinite(y);
+    if (kNorm) sq = fmaf(y, y, sq);
   }
   return bad;
 }
 
+// Adds a thread's partial sum of squares to *slot: on the GPU a shuffle tree over the warp, then
+// one atomicAdd by its lane 0 (all 32 lanes call it: the caller's control flow is block-uniform);
+// on the host, where threads run one after another, a plain add.
+AK_HD void add_norm(float* slot, float sq, unsigned thread) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+  if ((thread & 31u) == 0) atomicAdd(slot, sq);
+#else
+  (void)thread;
+  *slot += sq;
+#endif
+}
+
 // Thread `thread` of block `block` (of `grid`) up to the block-wide barrier: every chunk of
 // the grid-stride loop; returns the thread's bad flag (the kernel ORs it over the block).
-template <class Table, bool kOverwrite>
+// kNorm: each thread sums the squares it writes in a chunk, and after the chunk (a block-uniform
+// point) its warp adds them to the tensor's slot. (Carrying the sum over a block's consecutive
+// chunks of one tensor saves atomics but costs the DeviceTable kernel a 24-byte spill.)
+template <class Table, bool kOverwrite, bool kNorm>
 AK_HD bool accumulate_thread(const Table& table, const LaunchArgs& args, unsigned block,
                              unsigned thread, unsigned grid) {
   const float scale = args.scale_ptr != nullptr ? *args.scale_ptr : args.scale;
@@ -299,20 +324,42 @@ AK_HD bool accumulate_thread(const Table& table, const LaunchArgs& args, unsigne
       else hi = mid - 1;
     }
     const TensorEntry& e = table.t[lo];
+    float sq = 0.0f;
+    const int32_t dtype = kNorm ? (e.dtype & kDTypeMask) : e.dtype;
     const int64_t start = (c - e.chunk_begin) * kChunkElems;  // 64-bit: tensors may be > 2^31
     const int len = static_cast<int>(min64(kChunkElems, e.numel - start));
     float* dst = e.dst + start;
-    if (e.dtype == kBFloat16)
-      bad |= accumulate_chunk<bf16_t, kOverwrite>(
-          dst, static_cast<const bf16_t*>(e.src) + start, len, scale, thread);
-    else if (e.dtype == kFloat16)
-      bad |= accumulate_chunk<half_t, kOverwrite>(dst, static_cast<const half_t*>(e.src) + start,
-                                                  len, scale, thread);
+    if (dtype == kBFloat16)
+      bad |= accumulate_chunk<bf16_t, kOverwrite, kNorm>(
+          dst, static_cast<const bf16_t*>(e.src) + start, len, scale, thread, sq);
+    else if (dtype == kFloat16)
+      bad |= accumulate_chunk<half_t, kOverwrite, kNorm>(
+          dst, static_cast<const half_t*>(e.src) + start, len, scale, thread, sq);
     else
-      bad |= accumulate_chunk<float, kOverwrite>(dst, static_cast<const float*>(e.src) + start,
-                                                 len, scale, thread);
+      bad |= accumulate_chunk<float, kOverwrite, kNorm>(
+          dst, static_cast<const float*>(e.src) + start, len, scale, thread, sq);
+    if (kNorm) add_norm(args.norm_sq + (e.dtype >> kDTypeBits), sq, thread);
   }
   return bad;
+}
+
+// The zero_norm launch (one block, before the accumulating one): every slot of the table to 0,
+// empty tensors' included.
+template <class Table>
+AK_HD void zero_norm_slots(const Table& table, const LaunchArgs& args, unsigned thread) {
+  for (int i = static_cast<int>(thread); i < table.num_tensors; i += kBlockThreads)
+    args.norm_sq[table.t[i].dtype >> kDTypeBits] = 0.0f;
+}
+
+// The kernel's body up to the barrier, for both kinds of launch.
+template <class Table, bool kOverwrite, bool kNorm>
+AK_HD bool kernel_thread(const Table& table, const LaunchArgs& args, unsigned block,
+                         unsigned thread, unsigned grid) {
+  if (kNorm && args.zero_norm) {
+    zero_norm_slots(table, args, thread);
+    return false;
+  }
+  return accumulate_thread<Table, kOverwrite, kNorm>(table, args, block, thread, grid);
 }
 
 // After the barrier: `block_bad` is the OR of the block's flags (only called with found_inf).
@@ -323,15 +370,29 @@ AK_HD void after_barrier(const LaunchArgs& args, bool block_bad, unsigned thread
 // ---- launch marshalling (host side of both builds) ---------------------------------------------
 //
 // A Launcher provides: int64_t max_grid(); bool capturing();
-// template <class Table, bool kOverwrite> void run(const Table&, const LaunchArgs&, unsigned grid);
+// template <class Table, bool kOverwrite, bool kNorm>
+//   void run(const Table&, const LaunchArgs&, unsigned grid);
 // template <class F> void with_table_copy(const TensorEntry*, size_t n, F launch): copies the
 // entries where the kernel can read them and calls launch(const TensorEntry* copy).
 
+template <class Table, bool kNorm, class Launcher>
+void launch_kind(const Table& table, const LaunchArgs& args, bool overwrite, Launcher& launcher) {
+  if (kNorm) {  // the slots are added to by many blocks: zero them first, in stream order
+    LaunchArgs zero = args;
+    zero.zero_norm = true;
+    zero.found_inf = nullptr;
+    launcher.template run<Table, false, kNorm>(table, zero, 1);
+  }
+  if (args.num_chunks == 0) return;  // only empty tensors (kNorm): nothing else to do
+  const auto grid = static_cast<unsigned>(std::min<int64_t>(args.num_chunks, launcher.max_grid()));
+  if (overwrite) launcher.template run<Table, true, kNorm>(table, args, grid);
+  else launcher.template run<Table, false, kNorm>(table, args, grid);
+}
+
 template <class Table, class Launcher>
 void launch(const Table& table, const LaunchArgs& args, bool overwrite, Launcher& launcher) {
-  const int64_t grid = std::min<int64_t>(args.num_chunks, launcher.max_grid());
-  if (overwrite) launcher.template run<Table, true>(table, args, static_cast<unsigned>(grid));
-  else launcher.template run<Table, false>(table, args, static_cast<unsigned>(grid));
+  if (args.norm_sq != nullptr) launch_kind<Table, true>(table, args, overwrite, launcher);
+  else launch_kind<Table, false>(table, args, overwrite, launcher);
 }
 
 // Fills chunk_begin for entries [0, n) and returns the number of chunks.
@@ -363,19 +424,28 @@ void launch_param_any(TensorEntry* e, size_t n, const LaunchArgs& args, bool ove
   else launch_param<kMaxParamTensors>(e, n, args, overwrite, launcher);
 }
 
-// The call's non-empty pairs as table entries, after the kernel's own guards.
+// The call's non-empty pairs as table entries, after the kernel's own guards. With norm_sq the
+// empty pairs stay too (zero chunks: the chunk search never lands on them; the zero_norm launch
+// zeroes their slots), and each entry carries its norm slot above the dtype code.
 inline std::vector<TensorEntry> make_entries(const AccumulateArgs& a) {
   std::vector<TensorEntry> entries;
   entries.reserve(a.num_tensors);
+  const bool norm = a.norm_sq != nullptr;
   for (size_t i = 0; i < a.num_tensors; ++i) {
     const TensorPair& p = a.tensors[i];
     if (p.numel < 0) throw std::invalid_argument("accumulate_cuda: negative numel");
-    if (p.numel == 0) continue;
+    if (norm && (p.norm_slot < 0 || p.norm_slot >= kMaxNormSlots))
+      throw std::invalid_argument("accumulate_cuda: norm slot out of range");
+    const int32_t packed = norm ? (p.norm_slot << kDTypeBits) : 0;
+    if (p.numel == 0) {
+      if (norm) entries.push_back({nullptr, nullptr, 0, 0, packed});
+      continue;
+    }
     if (p.dtype < kFloat32 || p.dtype > kFloat16)
       throw std::invalid_argument("accumulate_cuda: unknown src dtype code");
     if (p.dst == nullptr || p.src == nullptr)
       throw std::invalid_argument("accumulate_cuda: null data pointer");
-    entries.push_back({p.dst, p.src, p.numel, 0, p.dtype});
+    entries.push_back({p.dst, p.src, p.numel, 0, p.dtype | packed});
   }
   return entries;
 }
@@ -385,7 +455,7 @@ inline std::vector<TensorEntry> make_entries(const AccumulateArgs& a) {
 template <class Launcher>
 void launch_entries(std::vector<TensorEntry>& entries, const AccumulateArgs& a,
                     Launcher& launcher) {
-  const LaunchArgs args{0, a.scale, a.scale_ptr, a.found_inf};
+  const LaunchArgs args{0, a.scale, a.scale_ptr, a.found_inf, a.norm_sq, false};
   const size_t n = entries.size();
   if (n <= static_cast<size_t>(kMaxParamTensors)) {
     launch_param_any(entries.data(), n, args, a.overwrite, launcher);

@@ -53,13 +53,21 @@ std::vector<T> int_list(py::handle seq, const char* name) {
   return out;
 }
 
+// norm_slots: None (pair i's squared norm goes to norm_sq[i]) or one int per pair.
 std::vector<ak::TensorPair> make_pairs(py::handle dst_ptrs, py::handle src_ptrs,
-                                       py::handle numels, py::handle src_dtypes) {
+                                       py::handle numels, py::handle src_dtypes,
+                                       py::handle norm_slots) {
   const auto dst = int_list<uint64_t>(dst_ptrs, "dst_ptrs");
   const auto src = int_list<uint64_t>(src_ptrs, "src_ptrs");
   const auto num = int_list<int64_t>(numels, "numels");
   const auto dt = int_list<int64_t>(src_dtypes, "src_dtypes");
   const size_t n = dst.size();
+  std::vector<int64_t> slots;
+  if (!norm_slots.is_none()) {
+    slots = int_list<int64_t>(norm_slots, "norm_slots");
+    if (slots.size() != n)
+      throw std::invalid_argument("accumulate: norm_slots must have one slot per pair");
+  }
   if (src.size() != n || num.size() != n || dt.size() != n)
     throw std::invalid_argument(
         "accumulate: dst_ptrs, src_ptrs, numels and src_dtypes must have the same length (got " +
@@ -68,27 +76,32 @@ std::vector<ak::TensorPair> make_pairs(py::handle dst_ptrs, py::handle src_ptrs,
   // Numel, dtype code and null checks are the kernels' own guards (accumulate_cpu/_cuda).
   std::vector<ak::TensorPair> pairs(n);
   for (size_t i = 0; i < n; ++i) {
+    const int64_t slot = slots.empty() ? static_cast<int64_t>(i) : slots[i];
     pairs[i] = {reinterpret_cast<float*>(static_cast<uintptr_t>(dst[i])),
                 reinterpret_cast<const void*>(static_cast<uintptr_t>(src[i])), num[i],
-                dt[i] == static_cast<int32_t>(dt[i]) ? static_cast<int32_t>(dt[i]) : -1};
+                dt[i] == static_cast<int32_t>(dt[i]) ? static_cast<int32_t>(dt[i]) : -1,
+                slot == static_cast<int32_t>(slot) ? static_cast<int32_t>(slot) : -1};
   }
   return pairs;
 }
 
 ak::AccumulateArgs make_args(const std::vector<ak::TensorPair>& pairs, double scale,
-                             uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr) {
+                             uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr,
+                             uint64_t norm_sq_ptr) {
   return {pairs.data(),
           pairs.size(),
           static_cast<float>(scale),
           reinterpret_cast<const float*>(static_cast<uintptr_t>(scale_ptr)),
           overwrite,
-          reinterpret_cast<float*>(static_cast<uintptr_t>(found_inf_ptr))};
+          reinterpret_cast<float*>(static_cast<uintptr_t>(found_inf_ptr)),
+          reinterpret_cast<float*>(static_cast<uintptr_t>(norm_sq_ptr))};
 }
 
 // accumulate_tensors' arguments, parsed by hand (see the PyMethodDef below).
 PyObject* accumulate_tensors_fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
-    if (nargs != 11) throw py::type_error("accumulate_tensors takes 11 arguments");
+    if (nargs != 11 && nargs != 12)
+      throw py::type_error("accumulate_tensors takes 11 or 12 arguments");
     auto as_int = [&](Py_ssize_t k) {
       const long long v = PyLong_AsLongLong(args[k]);
       if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
@@ -106,7 +119,8 @@ PyObject* accumulate_tensors_fastcall(PyObject*, PyObject* const* args, Py_ssize
                             static_cast<int>(as_int(7)),
                             static_cast<int>(as_int(8)),
                             static_cast<uint64_t>(as_int(9)),
-                            static_cast<int>(as_int(10))};
+                            static_cast<int>(as_int(10)),
+                            nargs == 12 ? py::handle(args[11]) : py::handle(Py_None)};
     return ak::accumulate_tensors(args[0], args[1], o).release().ptr();
   } catch (py::error_already_set& e) {
     e.restore();
@@ -217,26 +231,32 @@ PYBIND11_MODULE(_C, m) {
                                 &accumulate_tensors_fastcall)),
       METH_FASTCALL,
       "accumulate_tensors(dst, src, scale, scale_tensor, overwrite, found_inf, flags, kernel, "
-      "num_threads, stream, device)\n\nCheck and run dst[i] = (0 if overwrite else dst[i]) + "
-      "scale * float32(src[i]) on tensor lists. None on success, else (code, i, j) and nothing "
-      "written."};
+      "num_threads, stream, device[, norm_sq])\n\nCheck and run dst[i] = (0 if overwrite else "
+      "dst[i]) + scale * float32(src[i]) on tensor lists (norm_sq[i] = sum of dst[i]**2 when "
+      "given). None on success, else (code, i, j) and nothing written."};
   m.add_object("accumulate_tensors",
                py::reinterpret_steal<py::object>(PyCFunction_NewEx(&accumulate_tensors_def,
                                                                    nullptr, m.ptr())));
 
   py::class_<ak::Plan>(m, "Plan", "A fixed dst list checked once; launches read only src.")
       .def_static("create", &ak::Plan::create, py::arg("dst"), py::arg("keys"), py::arg("owner"),
-                  py::arg("inference"),
-                  "A Plan for `dst`, or (code, i, j) if dst breaks a rule.")
+                  py::arg("inference"), py::arg("norm_slots") = py::none(),
+                  py::arg("norm_len") = -1,
+                  "A Plan for `dst`, or (code, i, j) if dst breaks a rule. A launch's norm_sq has "
+                  "norm_len elements, dst i's at norm_slots[i] (None: len(dst) and i).")
       .def(
           "run",
           [](ak::Plan& plan, py::handle keys, py::handle src, double scale,
              py::handle scale_tensor, bool overwrite, py::handle found_inf, int flags, int kernel,
-             int num_threads, uint64_t stream, int device) {
+             int num_threads, uint64_t stream, int device, py::handle norm_sq) {
             const ak::CallOptions o{scale, scale_tensor, overwrite, found_inf, flags,
-                                    kernel, num_threads, stream, device};
+                                    kernel, num_threads, stream, device, norm_sq};
             return plan.run(keys, src, o);
           },
+          py::arg("keys"), py::arg("src"), py::arg("scale"), py::arg("scale_tensor"),
+          py::arg("overwrite"), py::arg("found_inf"), py::arg("flags"), py::arg("kernel"),
+          py::arg("num_threads"), py::arg("stream"), py::arg("device"),
+          py::arg("norm_sq") = py::none(),
           "Like accumulate_tensors for src[k] -> the dst of keys[k] (keys None: dst[k]).")
       .def("__len__", &ak::Plan::size);
 
@@ -310,28 +330,33 @@ PYBIND11_MODULE(_C, m) {
       "accumulate_cpu",
       [](py::handle dst_ptrs, py::handle src_ptrs, py::handle numels, py::handle src_dtypes,
          double scale, uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr,
-         int num_threads) {
-        const auto pairs = make_pairs(dst_ptrs, src_ptrs, numels, src_dtypes);
-        const auto args = make_args(pairs, scale, scale_ptr, overwrite, found_inf_ptr);
+         int num_threads, uint64_t norm_sq_ptr, py::handle norm_slots) {
+        const auto pairs = make_pairs(dst_ptrs, src_ptrs, numels, src_dtypes, norm_slots);
+        const auto args =
+            make_args(pairs, scale, scale_ptr, overwrite, found_inf_ptr, norm_sq_ptr);
         py::gil_scoped_release no_gil;
         ak::accumulate_cpu(args, num_threads);
       },
       py::arg("dst_ptrs"), py::arg("src_ptrs"), py::arg("numels"), py::arg("src_dtypes"),
       py::arg("scale"), py::arg("scale_ptr"), py::arg("overwrite"), py::arg("found_inf_ptr"),
-      py::arg("num_threads"),
-      "dst[i] = (0 if overwrite else dst[i]) + scale * float32(src[i]) on host memory.");
+      py::arg("num_threads"), py::arg("norm_sq_ptr") = 0, py::arg("norm_slots") = py::none(),
+      "dst[i] = (0 if overwrite else dst[i]) + scale * float32(src[i]) on host memory; with "
+      "norm_sq_ptr, float32 norm_sq[norm_slots[i] (None: i)] = sum of dst[i]**2.");
 
   m.def(
       "accumulate_cuda_host",
       [](py::handle dst_ptrs, py::handle src_ptrs, py::handle numels, py::handle src_dtypes,
-         double scale, uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr) {
-        const auto pairs = make_pairs(dst_ptrs, src_ptrs, numels, src_dtypes);
-        const auto args = make_args(pairs, scale, scale_ptr, overwrite, found_inf_ptr);
+         double scale, uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr,
+         uint64_t norm_sq_ptr, py::handle norm_slots) {
+        const auto pairs = make_pairs(dst_ptrs, src_ptrs, numels, src_dtypes, norm_slots);
+        const auto args =
+            make_args(pairs, scale, scale_ptr, overwrite, found_inf_ptr, norm_sq_ptr);
         py::gil_scoped_release no_gil;
         ak::accumulate_cuda_host(args);
       },
       py::arg("dst_ptrs"), py::arg("src_ptrs"), py::arg("numels"), py::arg("src_dtypes"),
       py::arg("scale"), py::arg("scale_ptr"), py::arg("overwrite"), py::arg("found_inf_ptr"),
+      py::arg("norm_sq_ptr") = 0, py::arg("norm_slots") = py::none(),
       "Tests only: the CUDA kernel's code run on the CPU, on host memory (accumulate_cpu's "
       "arguments, no threads).");
   m.def("cuda_host_configure", &ak::cuda_host_configure, py::arg("sm_count"),
@@ -344,20 +369,24 @@ PYBIND11_MODULE(_C, m) {
       "accumulate_cuda",
       [](py::handle dst_ptrs, py::handle src_ptrs, py::handle numels, py::handle src_dtypes,
          double scale, uint64_t scale_ptr, bool overwrite, uint64_t found_inf_ptr,
-         uint64_t stream, int device) {
+         uint64_t stream, int device, uint64_t norm_sq_ptr, py::handle norm_slots) {
 #if defined(ACCUMKERNELS_WITH_CUDA)
-        const auto pairs = make_pairs(dst_ptrs, src_ptrs, numels, src_dtypes);
-        const auto args = make_args(pairs, scale, scale_ptr, overwrite, found_inf_ptr);
+        const auto pairs = make_pairs(dst_ptrs, src_ptrs, numels, src_dtypes, norm_slots);
+        const auto args =
+            make_args(pairs, scale, scale_ptr, overwrite, found_inf_ptr, norm_sq_ptr);
         py::gil_scoped_release no_gil;
         ak::accumulate_cuda(args, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)), device);
 #else
         (void)dst_ptrs, (void)src_ptrs, (void)numels, (void)src_dtypes, (void)scale;
         (void)scale_ptr, (void)overwrite, (void)found_inf_ptr, (void)stream, (void)device;
+        (void)norm_sq_ptr, (void)norm_slots;
         throw std::runtime_error("accumkernels._C was built without CUDA");
 #endif
       },
       py::arg("dst_ptrs"), py::arg("src_ptrs"), py::arg("numels"), py::arg("src_dtypes"),
       py::arg("scale"), py::arg("scale_ptr"), py::arg("overwrite"), py::arg("found_inf_ptr"),
-      py::arg("stream"), py::arg("device"),
-      "Same as accumulate_cpu on device memory: one launch on `stream` of `device`.");
+      py::arg("stream"), py::arg("device"), py::arg("norm_sq_ptr") = 0,
+      py::arg("norm_slots") = py::none(),
+      "Same as accumulate_cpu on device memory: one launch on `stream` of `device` (two with "
+      "norm_sq_ptr: its slots are zeroed first).");
 }

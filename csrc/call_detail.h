@@ -99,23 +99,33 @@ py::object find_overlap(std::vector<Span>& dst, std::vector<Span>& src, std::vec
 
 // What torch's in-place ops refuse (by `flags`): nullptr, "grad", "inference" or "slow".
 const char* refuse_write(PyObject* t, int flags);
-// The failure for a refusal of dst (`name` "dst") or found_inf.
+// The failure for a refusal of dst (`name` "dst") or found_inf; `name` "": `r` is the code.
 py::object refusal(const char* r, const char* name, int64_t i);
 
 py::list copy_list(py::handle seq);  // a new list (the caller may change its own)
 void bump_versions(py::handle tensors);  // torch._C._increment_version(tensors)
 
-// A call's optional scale and found_inf tensors (1-element float32 on the call's device).
+// A call's optional scale and found_inf tensors (1-element float32 on the call's device), and its
+// optional norm_sq (a contiguous float32 vector on that device).
 struct CallScalars {
-  TensorMeta scale{}, found{};
-  bool has_scale = false, has_found = false;
+  TensorMeta scale{}, found{}, norm{};
+  bool has_scale = false, has_found = false, has_norm = false;
   const TensorMeta* scale_or_null() const { return has_scale ? &scale : nullptr; }
   const TensorMeta* found_or_null() const { return has_found ? &found : nullptr; }
+  const TensorMeta* norm_or_null() const { return has_norm ? &norm : nullptr; }
 };
-// Reads o.scale_tensor and o.found_inf: nullptr (ok), "scale"/"found_inf" (wrong dtype, size or
-// device: the Python spec says which) or "slow".
-const char* read_scalars(const CallOptions& o, const Device& dev, CallScalars& s);
+// Reads o.scale_tensor, o.found_inf and o.norm_sq (`norm_len` elements): nullptr (ok),
+// "scale"/"found_inf"/"norm_sq" (wrong dtype, size, device ...: the Python spec says which) or
+// "slow".
+const char* read_scalars(const CallOptions& o, const Device& dev, int64_t norm_len,
+                         CallScalars& s);
+inline bool wants_norm(const CallOptions& o) { return o.norm_sq && !o.norm_sq.is_none(); }
 void check_kernel_device(const CallOptions& o, const Device& dev);
+// found_inf and norm_sq: what torch would refuse to write (a full failure code, or "slow"), the
+// version bumps, and norm_sq overlapping found_inf or scale (a failure code).
+const char* refuse_outputs(const CallOptions& o, const CallScalars& s);
+void bump_outputs(const CallOptions& o, const CallScalars& s);
+const char* norm_scalar_overlap(const CallScalars& s);
 void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o, const CallScalars& s);
 bool reader_ready();  // the tensor reader is on and set_increment_version was called
 

@@ -12,7 +12,8 @@ using namespace detail;
 
 // ---- Plan ------------------------------------------------------------------------------------
 
-py::object Plan::create(py::handle dst_seq, py::handle keys, py::handle owner, bool inference) {
+py::object Plan::create(py::handle dst_seq, py::handle keys, py::handle owner, bool inference,
+                        py::handle norm_slots, int64_t norm_len) {
   if (!reader_ready()) return failure("slow");
   std::unique_ptr<Plan> plan(new Plan());
   plan->dst_ = copy_list(dst_seq);  // private copies: the caller may change its lists
@@ -29,11 +30,34 @@ py::object Plan::create(py::handle dst_seq, py::handle keys, py::handle owner, b
       if (!plan->slot_of_.emplace(k[i], static_cast<int32_t>(i)).second)
         throw std::invalid_argument("Plan: a key appears twice");
   }
+  plan->set_norm_slots(norm_slots, norm_len, n);
   py::object failed = plan->capture(false);
   if (!failed.is_none()) return failed;
   plan->stamp_.assign(n, 0);
   plan->pos_.assign(n, -1);
   return py::cast(plan.release(), py::return_value_policy::take_ownership);
+}
+
+// norm_sq's size and each dst's element of it (the memory guard: every slot inside norm_sq; the
+// Python layer also refuses two dst sharing a slot).
+void Plan::set_norm_slots(py::handle slots, int64_t norm_len, size_t n) {
+  if (slots.is_none()) {
+    norm_len_ = static_cast<int64_t>(n);
+    norm_slot_.resize(n);
+    for (size_t i = 0; i < n; ++i) norm_slot_[i] = static_cast<int32_t>(i);
+  } else {
+    const Items s(slots);
+    if (static_cast<size_t>(s.size()) != n)
+      throw std::invalid_argument("Plan: norm_slots and dst differ in length");
+    norm_len_ = norm_len;
+    for (Py_ssize_t i = 0; i < s.size(); ++i) {
+      const long long v = PyLong_AsLongLong(s[i]);
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      if (v < 0 || v >= norm_len) throw std::invalid_argument("Plan: a norm slot is out of range");
+      norm_slot_.push_back(static_cast<int32_t>(v));
+    }
+  }
+  if (norm_len_ > kMaxNormSlots) throw std::invalid_argument("Plan: too many norm slots");
 }
 
 // Reads every dst and checks the dst rules; fills slots_, sizes_, lo_, hi_ (and the device, at
@@ -90,7 +114,7 @@ bool Plan::src_fits(const TensorMeta& m, const Slot& s) const {
 
 py::object Plan::check_overlaps(const std::vector<int32_t>& order,
                                 const std::vector<TensorMeta>& src, const TensorMeta* scale,
-                                const TensorMeta* found_inf) const {
+                                const TensorMeta* found_inf, const TensorMeta* norm) const {
   // Only tensors inside [lo_, hi_) can touch a dst: check those against this launch's dst.
   for (size_t k = 0; k < src.size(); ++k) {
     const TensorMeta& x = src[k];
@@ -102,14 +126,19 @@ py::object Plan::check_overlaps(const std::vector<int32_t>& order,
       if (!twin) return failure("src_overlap", static_cast<int64_t>(k), static_cast<int64_t>(j));
     }
   }
-  for (const TensorMeta* t : {found_inf, scale}) {
+  for (const TensorMeta* t : {found_inf, scale, norm}) {
     if (t == nullptr || !overlaps(t->data, t->end(), lo_, hi_)) continue;
     for (size_t j = 0; j < order.size(); ++j) {
       const Slot& s = slots_[static_cast<size_t>(order[j])];
       if (s.numel > 0 && overlaps(t->data, t->end(), s.data, s.data + 4 * s.numel))
-        return failure(t == found_inf ? "found_inf_dst" : "scale_dst", static_cast<int64_t>(j));
+        return failure(t == found_inf ? "found_inf_dst" : t == norm ? "norm_sq_dst" : "scale_dst",
+                       static_cast<int64_t>(j));
     }
   }
+  if (norm != nullptr)
+    for (size_t k = 0; k < src.size(); ++k)
+      if (src[k].numel > 0 && overlaps(norm->data, norm->end(), src[k].data, src[k].end()))
+        return failure("norm_sq_src", static_cast<int64_t>(k));
   if (found_inf != nullptr) {
     if (scale != nullptr && overlaps(found_inf->data, found_inf->end(), scale->data, scale->end()))
       return failure("found_inf_scale");
@@ -176,6 +205,7 @@ py::object Plan::run_once(py::handle keys, py::handle src_seq, const CallOptions
   std::vector<int32_t>& order = scratch->order;
   std::vector<TensorMeta>& metas = scratch->metas;
   std::vector<TensorPair>& pairs = scratch->pairs;
+  const bool norm = wants_norm(o);
   order.resize(n);
   metas.resize(n);
   for (size_t k = 0; k < n; ++k) {
@@ -206,11 +236,15 @@ py::object Plan::run_once(py::handle keys, py::handle src_seq, const CallOptions
     if (!src_fits(x, slot)) return failure("pair", static_cast<int64_t>(k));
     if (slot.numel > 0)
       pairs.push_back({reinterpret_cast<float*>(slot.data), reinterpret_cast<const void*>(x.data),
-                       slot.numel, x.dtype});
+                       slot.numel, x.dtype, norm_slot_[su]});
+    else if (norm)  // its norm slot is written (0): the kernel sees the empty pair
+      pairs.push_back({nullptr, nullptr, 0, x.dtype, norm_slot_[su]});
   }
   CallScalars sc;
-  if (const char* f = read_scalars(o, dev, sc)) return failure(f);
-  py::object overlap = check_overlaps(order, metas, sc.scale_or_null(), sc.found_or_null());
+  if (const char* f = read_scalars(o, dev, norm_len_, sc)) return failure(f);
+  if (const char* f = norm_scalar_overlap(sc)) return failure(f);
+  py::object overlap = check_overlaps(order, metas, sc.scale_or_null(), sc.found_or_null(),
+                                      sc.norm_or_null());
   if (!overlap.is_none()) return overlap;
 
   // Inference-ness never changes (checked at creation); with an owner, the dst are its views
@@ -225,9 +259,7 @@ py::object Plan::run_once(py::handle keys, py::handle src_seq, const CallOptions
           return refusal(r, "dst", static_cast<int64_t>(k));
     }
   }
-  if (sc.has_found)
-    if (const char* r = refuse_write(o.found_inf.ptr(), o.flags))
-      return refusal(r, "found_inf", -1);
+  if (const char* f = refuse_outputs(o, sc)) return refusal(f, "", -1);
   if (!owner_.is_none()) {
     bump_versions(py::make_tuple(owner_));
   } else {
@@ -239,7 +271,7 @@ py::object Plan::run_once(py::handle keys, py::handle src_seq, const CallOptions
     }
     bump_versions(written);
   }
-  if (sc.has_found) bump_versions(py::make_tuple(o.found_inf));
+  bump_outputs(o, sc);
   run_kernel(pairs, o, sc);
   return py::none();
 }

@@ -116,10 +116,39 @@ const char* refuse_write(PyObject* t, int flags) {
   return nullptr;
 }
 
-// (code, i) for a refusal of dst (`dst_*`) or found_inf (`found_inf_*`).
+// (code, i) for a refusal of dst (`dst_*`), found_inf or norm_sq; an empty `name`: `r` is the
+// full code already (refuse_outputs).
 py::object refusal(const char* r, const char* name, int64_t i) {
   if (*r == 's') return failure("slow");
+  if (*name == 0) return failure(r, i);
   return failure((std::string(name) + (*r == 'g' ? "_grad" : "_inference")).c_str(), i);
+}
+
+const char* refuse_outputs(const CallOptions& o, const CallScalars& s) {
+  static const char* const codes[2][2] = {{"found_inf_grad", "found_inf_inference"},
+                                          {"norm_sq_grad", "norm_sq_inference"}};
+  const py::handle outs[2] = {s.has_found ? o.found_inf : py::handle(),
+                              s.has_norm ? o.norm_sq : py::handle()};
+  for (int k = 0; k < 2; ++k) {
+    if (!outs[k]) continue;
+    const char* r = refuse_write(outs[k].ptr(), o.flags);
+    if (r != nullptr) return *r == 's' ? "slow" : codes[k][*r == 'g' ? 0 : 1];
+  }
+  return nullptr;
+}
+
+void bump_outputs(const CallOptions& o, const CallScalars& s) {
+  if (s.has_found && s.has_norm) bump_versions(py::make_tuple(o.found_inf, o.norm_sq));
+  else if (s.has_found) bump_versions(py::make_tuple(o.found_inf));
+  else if (s.has_norm) bump_versions(py::make_tuple(o.norm_sq));
+}
+
+const char* norm_scalar_overlap(const CallScalars& s) {
+  if (!s.has_norm) return nullptr;
+  const uintptr_t n0 = s.norm.data, n1 = s.norm.end();
+  if (s.has_found && overlaps(n0, n1, s.found.data, s.found.end())) return "norm_sq_found_inf";
+  if (s.has_scale && overlaps(n0, n1, s.scale.data, s.scale.end())) return "norm_sq_scale";
+  return nullptr;
 }
 
 py::list copy_list(py::handle seq) {
@@ -148,21 +177,32 @@ const char* read_scalar(py::handle t, const char* name, const Device& dev, Tenso
 }
 }  // namespace
 
-const char* read_scalars(const CallOptions& o, const Device& dev, CallScalars& s) {
+const char* read_scalars(const CallOptions& o, const Device& dev, int64_t norm_len,
+                         CallScalars& s) {
   if (const char* f = read_scalar(o.scale_tensor, "scale", dev, s.scale, s.has_scale)) return f;
-  return read_scalar(o.found_inf, "found_inf", dev, s.found, s.has_found);
+  if (const char* f = read_scalar(o.found_inf, "found_inf", dev, s.found, s.has_found)) return f;
+  s.has_norm = wants_norm(o);
+  if (!s.has_norm) return nullptr;
+  TensorMeta& m = s.norm;
+  if (!read_meta(o.norm_sq.ptr(), m)) return "slow";
+  if (m.dtype != kFloat32 || m.ndim != 1 || m.numel != norm_len || !m.contiguous ||
+      !dev.holds(m) || m.neg || (m.numel > 0 && m.data == 0))
+    return "norm_sq";
+  return nullptr;
 }
 
 void run_kernel(const std::vector<TensorPair>& pairs, const CallOptions& o, const CallScalars& s) {
   if (o.kernel == kNoKernel || pairs.empty()) return;
   const TensorMeta* scale = s.scale_or_null();
   const TensorMeta* found_inf = s.found_or_null();
+  const TensorMeta* norm = s.norm_or_null();
   const AccumulateArgs args{pairs.data(),
                             pairs.size(),
                             static_cast<float>(o.scale),
                             scale ? reinterpret_cast<const float*>(scale->data) : nullptr,
                             o.overwrite,
-                            found_inf ? reinterpret_cast<float*>(found_inf->data) : nullptr};
+                            found_inf ? reinterpret_cast<float*>(found_inf->data) : nullptr,
+                            norm ? reinterpret_cast<float*>(norm->data) : nullptr};
   if (o.kernel == kCudaHostKernel) {
     py::gil_scoped_release no_gil;
     accumulate_cuda_host(args);
@@ -230,32 +270,41 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
   std::vector<int32_t>& pair_index = scratch->index;  // list index of each pair (non-empty)
   std::vector<Span>& dspans = scratch->dst;
   std::vector<Span>& sspans = scratch->src;
+  const bool norm = wants_norm(o);
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!read_meta(dst[i], d) || !read_meta(src[i], x)) return failure("slow");
     if (d.dtype != kFloat32 || x.dtype < 0 || !same_sizes(d, x) || !dev.holds(d) ||
         !dev.holds(x) || !d.contiguous || !x.contiguous || d.neg || x.neg ||
         (d.numel > 0 && (d.data == 0 || x.data == 0)))
       return failure("pair", i);
-    if (d.numel == 0) continue;
     const auto idx = static_cast<int32_t>(i);
+    if (d.numel == 0) {
+      if (norm) {  // its norm slot is written (0): the kernel sees the empty pair
+        pairs.push_back({nullptr, nullptr, 0, x.dtype, idx});
+        pair_index.push_back(idx);
+      }
+      continue;
+    }
     pairs.push_back({reinterpret_cast<float*>(d.data), reinterpret_cast<const void*>(x.data),
-                     d.numel, x.dtype});
+                     d.numel, x.dtype, idx});
     pair_index.push_back(idx);
     dspans.push_back({d.data, d.end(), idx, true, true});
     sspans.push_back({x.data, x.end(), idx, false, x.dtype == kFloat32});
   }
 
   CallScalars sc;
-  if (const char* f = read_scalars(o, dev, sc)) return failure(f);
+  if (const char* f = read_scalars(o, dev, n, sc)) return failure(f);
 
   py::object overlap = find_overlap(dspans, sspans, scratch->all);
   if (!overlap.is_none()) return overlap;
   if (sc.has_found && sc.has_scale &&
       overlaps(sc.found.data, sc.found.end(), sc.scale.data, sc.scale.end()))
     return failure("found_inf_scale");
+  if (const char* f = norm_scalar_overlap(sc)) return failure(f);
   for (size_t k = 0; k < pairs.size(); ++k) {
     const TensorPair& p = pairs[k];
     const int32_t i = pair_index[k];
+    if (p.numel == 0) continue;
     const uintptr_t d0 = reinterpret_cast<uintptr_t>(p.dst), d1 = d0 + 4 * p.numel;
     const uintptr_t s0 = reinterpret_cast<uintptr_t>(p.src);
     const uintptr_t s1 = s0 + static_cast<uintptr_t>(p.numel * (p.dtype == kFloat32 ? 4 : 2));
@@ -265,17 +314,19 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
     }
     if (sc.has_scale && overlaps(sc.scale.data, sc.scale.end(), d0, d1))
       return failure("scale_dst", i);
+    if (sc.has_norm) {
+      if (overlaps(sc.norm.data, sc.norm.end(), d0, d1)) return failure("norm_sq_dst", i);
+      if (overlaps(sc.norm.data, sc.norm.end(), s0, s1)) return failure("norm_sq_src", i);
+    }
   }
 
   if (o.flags & (kCheckAutograd | kCheckInference)) {
     for (Py_ssize_t i = 0; i < n; ++i)
       if (const char* r = refuse_write(dst[i], o.flags)) return refusal(r, "dst", i);
-    if (sc.has_found)
-      if (const char* r = refuse_write(o.found_inf.ptr(), o.flags))
-        return refusal(r, "found_inf", -1);
+    if (const char* f = refuse_outputs(o, sc)) return refusal(f, "", -1);
   }
   bump_versions(dst.seq());
-  if (sc.has_found) bump_versions(py::make_tuple(o.found_inf));
+  bump_outputs(o, sc);
   run_kernel(pairs, o, sc);
   return py::none();
 }

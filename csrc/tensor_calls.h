@@ -39,6 +39,7 @@ struct CallOptions {
   int num_threads = 0;      // CPU kernel
   uint64_t stream = 0;      // CUDA kernel: cudaStream_t
   int device = -1;          // CUDA kernel: device index
+  py::handle norm_sq;       // null/None, or a float32 vector with one slot per dst (see Plan)
 };
 
 // Must be called once (from Python, at import) with torch._C._increment_version.
@@ -55,10 +56,13 @@ py::object accumulate_tensors(py::handle dst, py::handle src, const CallOptions&
 // Each launch first checks that the dst memory has not moved (the owner's address, else each
 // launched dst's); if it has (share_memory_, a storage resized or swapped), the plan reads
 // every dst again and launches on the new addresses, or refuses ("plan_stale", i, why).
+// A launch's norm_sq (optional) has `norm_len` elements; dst i's squared norm goes to element
+// norm_slots[i] (default: norm_len = the number of dst, slot i), only for the dst it writes.
 class Plan {
  public:
   // Returns a Plan, or (code, i, j) if the dst list breaks a rule (codes as above).
-  static py::object create(py::handle dst, py::handle keys, py::handle owner, bool inference);
+  static py::object create(py::handle dst, py::handle keys, py::handle owner, bool inference,
+                           py::handle norm_slots, int64_t norm_len);
 
   // src[k] goes to the dst of keys[k] (keys None: to dst[k], and src covers every dst).
   py::object run(py::handle keys, py::handle src, const CallOptions& opt);
@@ -73,10 +77,12 @@ class Plan {
   };
   Plan() = default;
   py::object capture(bool again);
+  void set_norm_slots(py::handle slots, int64_t norm_len, size_t n);
   py::object run_once(py::handle keys, py::handle src, const CallOptions& opt, bool& moved);
   bool src_fits(const TensorMeta& m, const Slot& s) const;
   py::object check_overlaps(const std::vector<int32_t>& order, const std::vector<TensorMeta>& src,
-                            const TensorMeta* scale, const TensorMeta* found_inf) const;
+                            const TensorMeta* scale, const TensorMeta* found_inf,
+                            const TensorMeta* norm) const;
 
   py::list dst_;      // holds the dst tensors alive
   py::object keys_;   // a list, or None
@@ -86,6 +92,8 @@ class Plan {
   std::unordered_map<PyObject*, int32_t> slot_of_;
   std::vector<uint32_t> stamp_;  // launch number that last used each slot (duplicate check)
   std::vector<int32_t> pos_;     // ... and at which position of that launch
+  std::vector<int32_t> norm_slot_;  // norm_sq element of each dst
+  int64_t norm_len_ = 0;            // elements a launch's norm_sq must have
   uint32_t launch_ = 0;
   uintptr_t lo_ = 0, hi_ = 0;  // every dst lies in [lo_, hi_)
   uintptr_t owner_data_ = 0;   // the owner's address when the dst were read

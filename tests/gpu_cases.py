@@ -12,6 +12,8 @@ backends (``device="cpu"``), except those that need CUDA (graph capture, a side 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from reference import Reference
 
@@ -21,6 +23,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TABLE_SIZES = (64, 65, 256, 257, 1000, 1001)
 CHUNK = 8192  # elements per chunk of the CUDA kernel (kChunkElems)
 NAN = float("nan")
+U32 = 2.0**-24  # unit roundoff of float32
+FLT_MAX = torch.finfo(torch.float32).max
 
 
 def rand_src(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -78,7 +82,8 @@ def table_captured(backend: str, device, n: int, quick: bool = False, replays: i
                    ) -> torch.cuda.CUDAGraph:
     """The same list captured in a CUDA graph (after one eager call: Triton compiles there);
     every replay reads new src, dst and scale values; a NaN put in later raises found_inf.
-    Returns the graph (callers check what it keeps alive)."""
+    Then the list with norm_sq, in a graph of its own (_norm_sq_captured). Returns the first
+    graph (callers check what it keeps alive)."""
     dst, src = _table_list(n, device, quick)
     scale = torch.tensor(0.5, device=device)
     found_inf = torch.zeros(1, device=device)
@@ -103,6 +108,7 @@ def table_captured(backend: str, device, n: int, quick: bool = False, replays: i
     graph.replay()
     _sync(device)
     assert found_inf.item() == 1.0, f"{n} tensors: a NaN in a replay did not raise found_inf"
+    _norm_sq_captured(backend, device, *_table_list(n, device, quick))
     return graph
 
 
@@ -205,6 +211,80 @@ def overwrite(backend: str, device, quick: bool = False) -> None:
         assert found_inf.item() == 0.0
 
 
+def check_norm_sq(norm_sq: torch.Tensor, dst: list[torch.Tensor], what: str = "") -> None:
+    """norm_sq[i] against sum(dst[i]**2) in float64 over the fp32 values written. A sum of n
+    non-negative fp32 terms, each a rounded (or fused) square, in any order or tree, is within
+    gamma(n+1) = (n+1)u / (1-(n+1)u) of the exact value, relatively (Higham, recursive
+    summation), plus half an ulp of the subnormals per square that underflows; inf/NaN patterns
+    must match (a sum past FLT_MAX is inf)."""
+    got = norm_sq.detach().to("cpu", torch.float64)
+    assert got.shape == (len(dst),), f"{what}: norm_sq has shape {tuple(got.shape)}"
+    for i, d in enumerate(dst):
+        x = d.detach().to("cpu", torch.float64).reshape(-1)
+        n, ref, g = x.numel(), float((x * x).sum()), float(got[i])
+        where = f"{what}: norm_sq[{i}] ({n} elements) = {g!r}, float64 {ref!r}"
+        if math.isnan(ref) or math.isinf(ref):
+            assert (math.isnan(g) if math.isnan(ref) else g == ref), where
+            continue
+        k = (n + 1) * U32
+        bound = k / (1 - k) * ref + n * 2.0**-150
+        if ref > FLT_MAX * (1 - k) and g == float("inf"):  # the fp32 sum overflows (or may)
+            continue
+        assert abs(g - ref) <= bound, f"{where}: error {abs(g - ref):.3e} > bound {bound:.3e}"
+
+
+def _norm_list(device, quick: bool):
+    """_table_list's tensors plus an empty one and two unaligned views longer than a chunk."""
+    dst, src = _table_list(65 if quick else 257, device, quick)
+    dst.insert(3, torch.zeros(0, device=device))
+    src.insert(3, torch.zeros(0, dtype=torch.bfloat16, device=device))
+    store_d, store_s = rand_dst(2 * CHUNK + 64, device), rand_src(2 * CHUNK + 64, DTYPES[1], device)
+    dst += [store_d[1:CHUNK + 6], store_d[CHUNK + 16:2 * CHUNK + 21]]
+    src += [store_s[3:CHUNK + 8], store_s[CHUNK + 24:2 * CHUNK + 29]]
+    return dst, src
+
+
+def norm_sq(backend: str, device, quick: bool = False) -> None:
+    """norm_sq (the squared L2 norm of each written dst) on a list of mixed dtypes and sizes (two
+    longer than a chunk, one empty, two unaligned views): add with a float scale, then overwrite
+    with a scale tensor, each into a vector poisoned with NaN (overwritten, not added to); dst
+    still matches the reference."""
+    dst, src = _norm_list(device, quick)
+    for overwrite, scale in ((False, 0.375), (True, torch.tensor(-1.25, device=device))):
+        value = float(scale)
+        norm = torch.full((len(dst),), NAN, device=device)
+        refs = _expect(dst, src, value, overwrite)
+        accumkernels.accumulate_(dst, src, scale, overwrite=overwrite, norm_sq=norm,
+                                 backend=backend)
+        _sync(device)
+        _check(refs, dst, f"norm_sq, overwrite={overwrite}")
+        check_norm_sq(norm, dst, f"overwrite={overwrite}")
+
+
+def _norm_sq_captured(backend: str, device, dst: list, src: list) -> None:
+    """norm_sq inside a CUDA graph: every replay zeroes and recomputes the norms of its new dst
+    (nothing is kept from the last replay), with found_inf alongside."""
+    norm = torch.zeros(len(dst), device=device)
+    found_inf = torch.zeros(1, device=device)
+    accumkernels.accumulate_(dst, src, 0.5, found_inf=found_inf, norm_sq=norm, backend=backend)
+    _sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        accumkernels.accumulate_(dst, src, 0.5, found_inf=found_inf, norm_sq=norm,
+                                 backend=backend)
+    for replay in range(2):
+        for d, x in zip(dst, src):
+            d.normal_()
+            x.copy_(rand_src(x.numel(), x.dtype, device))
+        norm.fill_(NAN)
+        refs = _expect(dst, src, 0.5)
+        graph.replay()
+        _sync(device)
+        _check(refs, dst, f"norm_sq captured, replay {replay}")
+        check_norm_sq(norm, dst, f"captured, replay {replay}")
+    assert found_inf.item() == 0.0
+
+
 def side_stream(backend: str, device, quick: bool = False) -> None:
     """A call on a non-default stream runs on that stream: it sees src written there after a
     long sleep (on the default stream it would read the old values) and is done when that
@@ -235,4 +315,5 @@ CASES = {
     "scale_tensor": (scale_tensor, False),
     "overwrite": (overwrite, False),
     "side_stream": (side_stream, True),
+    "norm_sq": (norm_sq, False),
 }

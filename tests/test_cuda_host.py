@@ -182,6 +182,32 @@ def test_launch_plan(guards):
     guards.check()
 
 
+@pytest.mark.parametrize("n,capturing,kinds", [
+    (64, False, ["zero_norm param64", "param64"]),
+    (257, False, ["zero_norm param1000", "param1000"]),
+    (1001, False, ["zero_norm device", "device"]),
+    (1001, True, ["zero_norm param1000", "param1000", "zero_norm param64", "param64"])],
+    ids=["64", "257", "1001", "1001-captured"])
+def test_norm_sq_launches(guards, n, capturing, kinds):
+    """norm_sq: each table (parameter tables, the copied one, captured groups of 1000) gets a
+    one-block launch that zeroes its slots before the accumulating launch; 3 SMs make every
+    block add several chunks (and tensors) into the slots; the poisoned vector is overwritten."""
+    cuda_host.configure(3, capturing)
+    dst, src = gpu_cases._table_list(n, "cpu", quick=True)
+    refs = [Reference(d) for d in dst]
+    for r, x in zip(refs, src):
+        r.add(x, 0.5)
+    norm = torch.full((n,), float("nan"))
+    accumkernels.accumulate_(dst, src, 0.5, norm_sq=norm, backend=BACKEND)
+    launched = cuda_host.launches()
+    assert [line.rsplit(" grid=", 1)[0] for line in launched] == kinds, launched
+    assert all(" grid=1 " in line for line in launched if line.startswith("zero_norm"))
+    for i, (r, d) in enumerate(zip(refs, dst)):
+        r.check(d, f"dst[{i}]")
+    gpu_cases.check_norm_sq(norm, dst, f"{n} tensors")
+    guards.check()
+
+
 def test_raw_entry_marshalling(guards):
     """The raw entry point: empty pairs (even with null pointers) are skipped; a broken pair
     raises ValueError before any launch writes; an empty list launches nothing."""

@@ -92,9 +92,9 @@ def test_sanitize_cases_cover_the_issue():
         for n in (64, 65, 256, 257, 1000, 1001):
             assert f"{backend} table {n}" in names and f"{backend} table {n} captured" in names
         for case in ("unaligned_views", "found_inf_vector", "found_inf_overflow", "scale_tensor",
-                     "overwrite", "side_stream"):
+                     "overwrite", "side_stream", "norm_sq"):
             assert f"{backend} {case}" in names
     assert set(gpu_cases.CASES) == {"unaligned_views", "found_inf_vector", "found_inf_overflow",
-                                    "scale_tensor", "overwrite", "side_stream"}
+                                    "scale_tensor", "overwrite", "side_stream", "norm_sq"}
     no_capture = [n for n, _ in sanitize_cases.cases(["cuda"], True, False)]
     assert not any("captured" in n for n in no_capture)

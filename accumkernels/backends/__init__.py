@@ -1,8 +1,9 @@
 """Backend registry for ``accumulate_``.
 
 Each backend module exposes ``is_available(device) -> bool`` and
-``accumulate(dst, src, scale, scale_tensor, overwrite, found_inf) -> None``, which receives
-already-validated, non-empty, same-device lists (see ``accumkernels.ops``).
+``accumulate(dst, src, scale, scale_tensor, overwrite, found_inf, norm_sq, norm_slots) -> None``,
+which receives already-validated, non-empty, same-device lists (see ``accumkernels.ops``); with
+``norm_sq``, dst i's squared L2 norm goes to ``norm_sq[norm_slots[i]]`` (overwritten).
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ def accumulate(
     scale_tensor: torch.Tensor | None,
     overwrite: bool,
     found_inf: torch.Tensor | None,
+    norm_sq: torch.Tensor | None = None,
+    norm_slots: list[int] | None = None,
 ) -> None:
     """The portable path: already-checked, non-empty lists as raw addresses and sizes."""
     codes = native.DTYPE_CODES
@@ -34,7 +36,8 @@ def accumulate(
         [d.data_ptr() for d in dst], [x.data_ptr() for x in src], [d.numel() for d in dst],
         [codes[x.dtype] for x in src], float(scale),
         scale_tensor.data_ptr() if scale_tensor is not None else 0, bool(overwrite),
-        found_inf.data_ptr() if found_inf is not None else 0)
+        found_inf.data_ptr() if found_inf is not None else 0,
+        norm_sq.data_ptr() if norm_sq is not None else 0, norm_slots)
 
 
 def configure(sm_count: int = 132, capturing: bool = False) -> None:

@@ -185,32 +185,33 @@ def _launch_args(backend: str, device: torch.device) -> tuple[int, int, int, int
 
 
 def run(dst, src, scale: float, scale_tensor, overwrite: bool, found_inf, flags: int,
-        backend: str, device: torch.device) -> tuple | None:
+        backend: str, device: torch.device, norm_sq=None) -> tuple | None:
     """The fast path: check, bump versions, launch (``backend`` "cpu"/"cuda"; any other: check
     and bump only). None on success, else (code, i, j) with nothing written."""
     if backend == "cpu":
         return _C.accumulate_tensors(dst, src, scale, scale_tensor, overwrite, found_inf, flags,
-                                     1, _num_threads(), 0, -1)
+                                     1, _num_threads(), 0, -1, norm_sq)
     return _C.accumulate_tensors(dst, src, scale, scale_tensor, overwrite, found_inf, flags,
-                                 *_launch_args(backend, device))
+                                 *_launch_args(backend, device), norm_sq)
 
 
 def run_cpu(dst, src, scale: float, scale_tensor, overwrite: bool, found_inf,
-            flags: int) -> tuple | None:
+            flags: int, norm_sq=None) -> tuple | None:
     """``run`` for the cpu backend (the common call, kept short)."""
     return _C.accumulate_tensors(dst, src, scale, scale_tensor, overwrite, found_inf, flags, 1,
-                                 _num_threads(), 0, -1)
+                                 _num_threads(), 0, -1, norm_sq)
 
 
-def make_plan(dst, keys, owner, inference: bool):
-    """A ``_C.Plan`` for a fixed dst list, or (code, i, j) when the list breaks a rule."""
-    return _C.Plan.create(dst, keys, owner, inference)
+def make_plan(dst, keys, owner, inference: bool, norm_slots=None, norm_len: int = -1):
+    """A ``_C.Plan`` for a fixed dst list, or (code, i, j) when the list breaks a rule. A
+    launch's norm_sq has ``norm_len`` elements, dst i's at ``norm_slots[i]`` (None: i)."""
+    return _C.Plan.create(dst, keys, owner, inference, norm_slots, norm_len)
 
 
 def run_plan(plan, keys, src, scale: float, scale_tensor, overwrite: bool, found_inf, flags: int,
-             backend: str, device: torch.device) -> tuple | None:
+             backend: str, device: torch.device, norm_sq=None) -> tuple | None:
     return plan.run(keys, src, scale, scale_tensor, overwrite, found_inf, flags,
-                    *_launch_args(backend, device))
+                    *_launch_args(backend, device), norm_sq)
 
 
 def accumulate(
@@ -220,9 +221,13 @@ def accumulate(
     scale_tensor: torch.Tensor | None,
     overwrite: bool,
     found_inf: torch.Tensor | None,
+    norm_sq: torch.Tensor | None = None,
+    norm_slots: list[int] | None = None,
 ) -> None:
-    """The portable path: already-checked, non-empty lists as raw addresses and sizes."""
+    """The portable path: already-checked, non-empty lists as raw addresses and sizes (dst i's
+    squared norm into ``norm_sq[norm_slots[i]]``)."""
     codes = DTYPE_CODES
+    norm = (norm_sq.data_ptr(), norm_slots) if norm_sq is not None else (0, None)
     args = (
         [d.data_ptr() for d in dst],
         [x.data_ptr() for x in src],
@@ -235,9 +240,9 @@ def accumulate(
     )
     device = dst[0].device
     if device.type == "cpu":
-        _C.accumulate_cpu(*args, torch.get_num_threads())
+        _C.accumulate_cpu(*args, torch.get_num_threads(), *norm)
     else:
-        _C.accumulate_cuda(*args, _stream(device), device.index)
+        _C.accumulate_cuda(*args, _stream(device), device.index, *norm)
 
 
 def cpu_parallel_threshold(elements: int | None = None) -> int | None:

@@ -6,7 +6,10 @@ and whether both its pointers are 16-byte aligned. Every program finds its tenso
 search in the block prefix sums. A full block of an aligned pair takes a path with alignment
 hints and no mask, which Triton compiles to 16-byte loads and stores; tails and unaligned views
 take the masked path. Runs on CUDA tensors (launched on their device, on its current stream),
-and on CPU tensors under ``TRITON_INTERPRET=1`` (tests only).
+and on CPU tensors under ``TRITON_INTERPRET=1`` (tests only). With ``norm_sq`` the table gets a
+sixth row (each tensor's norm slot), the launch's slots are zeroed (``index_fill_``, one small
+launch) and each program atomically adds its block's sum of squares (``_accumulate_norm_kernel``;
+the plain kernel is unchanged).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ if triton is not None:
         MASKED: tl.constexpr,
         OVERWRITE: tl.constexpr,
         CHECK_FINITE: tl.constexpr,
+        NORM: tl.constexpr,  # return the sum of squares of the written values
     ):
         if MASKED:
             x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -81,26 +85,22 @@ if triton is not None:
             bad = tl.max(nonfinite.to(tl.int32), axis=0)
             if bad > 0:
                 tl.store(found_inf_ptr, 1.0)
+        sq = 0.0
+        if NORM:
+            y2 = y * y
+            if MASKED:
+                y2 = tl.where(mask, y2, 0.0)
+            sq = tl.sum(y2, axis=0)
+        return sq
 
     @triton.jit
-    def _accumulate_kernel(
-        table_ptr,  # int64 [5, n_tensors]: dst offset, src offset (elements from the bases),
-        # numel, first block id, 1 if both pointers are 16-byte aligned (else 0)
-        n_tensors,  # number of tensors in the table
-        dst_base,  # float32*: a dst of this launch (16-byte aligned if any is); dst i is at
-        # dst_base + table[0, i]
-        src_base,  # source dtype*: the same for src (table[1, i])
-        scale_ptr,  # float32* device scale, read when SCALE_FROM_PTR
-        scale,  # float scale, used otherwise
-        found_inf_ptr,  # float32* set to 1.0 on any inf/NaN result, when CHECK_FINITE
-        SCALE_FROM_PTR: tl.constexpr,
-        OVERWRITE: tl.constexpr,  # write scale*src without reading dst
-        CHECK_FINITE: tl.constexpr,
-        SEARCH_STEPS: tl.constexpr,  # ceil(log2(n_tensors)): binary-search iterations
-        SRC_VEC: tl.constexpr,  # source elements the hinted path may load at once (<= 16 bytes)
-        BLOCK: tl.constexpr,
-        TAIL: tl.constexpr,  # elements per step of the masked path (divides BLOCK)
-    ):
+    def _accumulate_body(table_ptr, n_tensors, dst_base, src_base, scale_ptr, scale, found_inf_ptr,
+                         norm_ptr, SCALE_FROM_PTR: tl.constexpr, OVERWRITE: tl.constexpr,
+                         CHECK_FINITE: tl.constexpr, NORM: tl.constexpr,
+                         SEARCH_STEPS: tl.constexpr, SRC_VEC: tl.constexpr, BLOCK: tl.constexpr,
+                         TAIL: tl.constexpr):
+        """One program (see _accumulate_kernel); NORM: atomically adds its block's sum of
+        squares to norm_ptr[table[5, tensor]] (zeroed before the launch)."""
         pid = tl.program_id(0)
         # Largest t with first_block[t] <= pid (first_block[lo] <= pid < first_block[hi]).
         lo = 0
@@ -122,22 +122,65 @@ if triton is not None:
             s = tl.cast(scale, tl.float32)  # fp64 under Inductor: force fp32 math
         start = (pid - first_block).to(tl.int64) * BLOCK
         lanes = tl.arange(0, BLOCK)
+        sq = tl.zeros((), dtype=tl.float32)
         if (aligned != 0) & (start + BLOCK <= numel):
             # A full block of a 16-byte-aligned pair (the bases are aligned too, see _launch):
             # the hints are true, and with no mask Triton issues 128-bit accesses.
             d_first = tl.multiple_of(dst_off + start, 4)  # 4 fp32 = 16 bytes
             x_first = tl.multiple_of(src_off + start, SRC_VEC)
-            _accumulate_block(dst_base + d_first + lanes, src_base + x_first + lanes, None, s,
-                              found_inf_ptr, False, OVERWRITE, CHECK_FINITE)
+            part = _accumulate_block(dst_base + d_first + lanes, src_base + x_first + lanes, None,
+                                     s, found_inf_ptr, False, OVERWRITE, CHECK_FINITE, NORM)
+            if NORM:
+                sq += part
         else:  # the last block of a tensor, or a view at an unaligned address
             # In slices of TAIL elements: scalar accesses need a pointer per element, and a whole
             # block of them would set the register count of the entire kernel.
             for k in range(0, BLOCK, TAIL):
                 if start + k < numel:  # a short tensor's block skips its empty slices
                     offsets = start + k + tl.arange(0, TAIL)
-                    _accumulate_block(dst_base + dst_off + offsets, src_base + src_off + offsets,
-                                      offsets < numel, s, found_inf_ptr, True, OVERWRITE,
-                                      CHECK_FINITE)
+                    part = _accumulate_block(dst_base + dst_off + offsets,
+                                             src_base + src_off + offsets, offsets < numel, s,
+                                             found_inf_ptr, True, OVERWRITE, CHECK_FINITE, NORM)
+                    if NORM:
+                        sq += part
+        if NORM:
+            tl.atomic_add(norm_ptr + tl.load(table_ptr + 5 * n_tensors + lo), sq)
+
+    @triton.jit
+    def _accumulate_kernel(
+        table_ptr,  # int64 [5, n_tensors]: dst offset, src offset (elements from the bases),
+        # numel, first block id, 1 if both pointers are 16-byte aligned (else 0)
+        n_tensors,  # number of tensors in the table
+        dst_base,  # float32*: a dst of this launch (16-byte aligned if any is); dst i is at
+        # dst_base + table[0, i]
+        src_base,  # source dtype*: the same for src (table[1, i])
+        scale_ptr,  # float32* device scale, read when SCALE_FROM_PTR
+        scale,  # float scale, used otherwise
+        found_inf_ptr,  # float32* set to 1.0 on any inf/NaN result, when CHECK_FINITE
+        SCALE_FROM_PTR: tl.constexpr,
+        OVERWRITE: tl.constexpr,  # write scale*src without reading dst
+        CHECK_FINITE: tl.constexpr,
+        SEARCH_STEPS: tl.constexpr,  # ceil(log2(n_tensors)): binary-search iterations
+        SRC_VEC: tl.constexpr,  # source elements the hinted path may load at once (<= 16 bytes)
+        BLOCK: tl.constexpr,
+        TAIL: tl.constexpr,  # elements per step of the masked path (divides BLOCK)
+    ):
+        _accumulate_body(table_ptr, n_tensors, dst_base, src_base, scale_ptr, scale,
+                         found_inf_ptr, found_inf_ptr, SCALE_FROM_PTR, OVERWRITE, CHECK_FINITE,
+                         False, SEARCH_STEPS, SRC_VEC, BLOCK, TAIL)
+
+    @triton.jit
+    def _accumulate_norm_kernel(
+        table_ptr,  # int64 [6, n_tensors]: _accumulate_kernel's rows, then each one's norm slot
+        n_tensors, dst_base, src_base, scale_ptr, scale, found_inf_ptr,
+        norm_ptr,  # float32*: norm_ptr[slot] += sum of squares of the written values
+        SCALE_FROM_PTR: tl.constexpr, OVERWRITE: tl.constexpr, CHECK_FINITE: tl.constexpr,
+        SEARCH_STEPS: tl.constexpr, SRC_VEC: tl.constexpr, BLOCK: tl.constexpr,
+        TAIL: tl.constexpr,
+    ):
+        _accumulate_body(table_ptr, n_tensors, dst_base, src_base, scale_ptr, scale,
+                         found_inf_ptr, norm_ptr, SCALE_FROM_PTR, OVERWRITE, CHECK_FINITE, True,
+                         SEARCH_STEPS, SRC_VEC, BLOCK, TAIL)
 
 
 def _capturing_graph():
@@ -203,13 +246,18 @@ def _table(pairs: list[tuple[torch.Tensor, torch.Tensor]], block: int
     return rows, b_dst, b_src, total
 
 
-def _launch(dst, src, scale, scale_tensor, overwrite, found_inf) -> None:
-    pairs = [(d, x) for d, x in zip(dst, src) if d.numel()]
+def _launch(dst, src, scale, scale_tensor, overwrite, found_inf, norm_sq, slots) -> None:
+    """One launch for a list of one src dtype (non-empty tensors; with norm_sq, one slot each):
+    norm_sq's slots are zeroed first, in stream order, then the programs atomically add to them.
+    """
+    pairs = list(zip(dst, src))
     if not pairs:
         return
     device = pairs[0][0].device
     block = BLOCK
     rows, b_dst, b_src, total = _table(pairs, block)
+    if norm_sq is not None:
+        rows.append(list(slots))
     n = len(pairs)
     table = torch.tensor(rows, dtype=torch.int64)
     with on_device(device):
@@ -219,14 +267,16 @@ def _launch(dst, src, scale, scale_tensor, overwrite, found_inf) -> None:
                 table = _captured_table(host, device)
             else:  # the caching allocators keep both alive until the stream has used them
                 table = host.to(device, non_blocking=True)
-        _accumulate_kernel[(total,)](
-            table,
-            n,
-            pairs[b_dst][0],
-            pairs[b_src][1],
-            scale_tensor if scale_tensor is not None else table,
-            float(scale),
-            found_inf if found_inf is not None else table,
+        head = (table, n, pairs[b_dst][0], pairs[b_src][1],
+                scale_tensor if scale_tensor is not None else table, float(scale),
+                found_inf if found_inf is not None else table)
+        if norm_sq is None:
+            kernel = _accumulate_kernel
+        else:
+            norm_sq.index_fill_(0, table[5], 0.0)
+            kernel, head = _accumulate_norm_kernel, (*head, norm_sq)
+        kernel[(total,)](
+            *head,
             SCALE_FROM_PTR=scale_tensor is not None,
             OVERWRITE=bool(overwrite),
             CHECK_FINITE=found_inf is not None,
@@ -245,11 +295,15 @@ def accumulate(
     scale_tensor: torch.Tensor | None,
     overwrite: bool,
     found_inf: torch.Tensor | None,
+    norm_sq: torch.Tensor | None = None,
+    norm_slots: list[int] | None = None,
 ) -> None:
-    groups: dict[torch.dtype, tuple[list, list]] = {}
-    for d, x in zip(dst, src):
-        gd, gs = groups.setdefault(x.dtype, ([], []))
+    groups: dict[torch.dtype, tuple[list, list, list]] = {}
+    slots = norm_slots if norm_slots is not None else range(len(dst))
+    for d, x, k in zip(dst, src, slots):
+        gd, gs, gk = groups.setdefault(x.dtype, ([], [], []))
         gd.append(d)
         gs.append(x)
-    for gd, gs in groups.values():
-        _launch(gd, gs, scale, scale_tensor, overwrite, found_inf)
+        gk.append(k)
+    for gd, gs, gk in groups.values():
+        _launch(gd, gs, scale, scale_tensor, overwrite, found_inf, norm_sq, gk)

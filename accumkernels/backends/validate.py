@@ -134,11 +134,31 @@ def check_scalar(name: str, t: torch.Tensor | None, device: torch.device) -> Non
         fail(ValueError, f"{name} {_NEG}")
 
 
+def check_norm_sq(norm_sq: object, size: int, device: torch.device) -> None:
+    """``norm_sq``: a contiguous 1-D float32 tensor of ``size`` elements on the tensors' device."""
+    if norm_sq is None:
+        return
+    _check_dense(("norm_sq",), (norm_sq,))
+    if norm_sq.dtype != torch.float32:
+        fail(TypeError, f"norm_sq has dtype {norm_sq.dtype}; expected torch.float32")
+    if norm_sq.dim() != 1 or norm_sq.numel() != size:
+        fail(ValueError, f"norm_sq must be a 1-D tensor of {size} elements (one per dst), got "
+             f"shape {tuple(norm_sq.shape)}")
+    if norm_sq.device != device:
+        fail(ValueError, f"norm_sq is on {norm_sq.device} but the tensors are on {device}")
+    if not norm_sq.is_contiguous():
+        fail(ValueError, "norm_sq is not contiguous")
+    if _neg(norm_sq):
+        fail(ValueError, f"norm_sq {_NEG}")
+
+
 def check_shapes(dst: list, src: list, scale: torch.Tensor | None,
-                 found_inf: torch.Tensor | None) -> None:
+                 found_inf: torch.Tensor | None, norm_sq: torch.Tensor | None = None,
+                 norm_len: int | None = None) -> None:
     """The rules that need no data: types, layouts, dtypes, shapes, devices, contiguity.
 
-    What the meta/fake implementation checks (also while tracing, on FakeTensors).
+    What the meta/fake implementation checks (also while tracing, on FakeTensors). ``norm_sq``
+    has ``norm_len`` elements (None: one per dst).
     """
     if not dst:
         return
@@ -148,6 +168,7 @@ def check_shapes(dst: list, src: list, scale: torch.Tensor | None,
             check_pair(i, d, x, device)
     check_scalar("scale", scale, device)
     check_scalar("found_inf", found_inf, device)
+    check_norm_sq(norm_sq, len(dst) if norm_len is None else norm_len, device)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -156,12 +177,13 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def find_overlap(dst: list, src: list, scale: torch.Tensor | None,
-                 found_inf: torch.Tensor | None) -> tuple | None:
+                 found_inf: torch.Tensor | None,
+                 norm_sq: torch.Tensor | None = None) -> tuple | None:
     """The memory rules, as (code, i, j) like the C++ check, or None.
 
     No dst may overlap another dst, nor a src overlap a dst (unless it is exactly that dst's
-    memory as float32: ``dst[i] += s * dst[i]`` is elementwise, like ``a.add_(a)``); found_inf,
-    written by the kernel, may overlap nothing; scale may not overlap a dst.
+    memory as float32: ``dst[i] += s * dst[i]`` is elementwise, like ``a.add_(a)``); found_inf
+    and norm_sq, written by the kernel, may overlap nothing; scale may not overlap a dst.
     """
     spans = [(*_span(d), 0, i) for i, d in enumerate(dst) if d.numel()]  # 0: dst sorts first
     spans += [(*_span(x), 1, i) for i, x in enumerate(src) if x.numel()]
@@ -189,16 +211,33 @@ def find_overlap(dst: list, src: list, scale: torch.Tensor | None,
             return ("found_inf_dst" if kind == 0 else "found_inf_src", i, -1)
         if kind == 0 and scale_span and scale_span[0] < end and start < scale_span[1]:
             return ("scale_dst", i, -1)
+    return None if norm_sq is None else _norm_overlap(_span(norm_sq), spans, flag, scale_span)
+
+
+def _norm_overlap(norm: tuple[int, int], spans: list, flag: tuple | None,
+                  scale_span: tuple | None) -> tuple | None:
+    """norm_sq against found_inf, scale, then every dst and src (codes as the C++ check's)."""
+    if norm[0] == norm[1]:
+        return None
+    for code, other in (("norm_sq_found_inf", flag), ("norm_sq_scale", scale_span)):
+        if other and norm[0] < other[1] and other[0] < norm[1]:
+            return (code, -1, -1)
+    for start, end, kind, i in spans:
+        if norm[0] < end and start < norm[1]:
+            return ("norm_sq_dst" if kind == 0 else "norm_sq_src", i, -1)
     return None
 
 
-def find_unwritable(dst: list, found_inf: torch.Tensor | None, flags: int) -> tuple | None:
+def find_unwritable(dst: list, found_inf: torch.Tensor | None, flags: int,
+                    norm_sq: torch.Tensor | None = None) -> tuple | None:
     """What may not be written, as (code, i, j): in grad mode, a tensor that requires grad
     (torch refuses leaves and views of leaves, and records history for the rest, which this op
     cannot); outside inference mode, an inference tensor (as torch refuses it)."""
     named = [("dst", i, d) for i, d in enumerate(dst)]
     if found_inf is not None:
         named.append(("found_inf", -1, found_inf))
+    if norm_sq is not None:
+        named.append(("norm_sq", -1, norm_sq))
     for name, i, t in named:
         if flags & CHECK_AUTOGRAD and t.requires_grad:
             return (f"{name}_grad", i, -1)
@@ -208,21 +247,24 @@ def find_unwritable(dst: list, found_inf: torch.Tensor | None, flags: int) -> tu
 
 
 def check_all(dst: list, src: list, scale: torch.Tensor | None, found_inf: torch.Tensor | None,
-              flags: int) -> None:
+              flags: int, norm_sq: torch.Tensor | None = None, norm_len: int | None = None) -> None:
     """Every rule, on real tensors: the portable path's whole check."""
     for name, tensors in (("dst", dst), ("src", src)):
         for i, t in enumerate(tensors):
             check_plain(f"{name}[{i}]", t)
     check_plain("scale", scale)
     check_plain("found_inf", found_inf)
-    check_shapes(dst, src, scale, found_inf)
-    for found in (find_overlap(dst, src, scale, found_inf), find_unwritable(dst, found_inf, flags)):
+    check_plain("norm_sq", norm_sq)
+    check_shapes(dst, src, scale, found_inf, norm_sq, norm_len)
+    for found in (find_overlap(dst, src, scale, found_inf, norm_sq),
+                  find_unwritable(dst, found_inf, flags, norm_sq)):
         if found is not None:
-            raise_failure(found, dst, src, scale, found_inf)
+            raise_failure(found, dst, src, scale, found_inf, norm_sq, norm_len)
 
 
 def raise_failure(found: tuple, dst: list, src: list, scale: torch.Tensor | None,
-                  found_inf: torch.Tensor | None) -> None:
+                  found_inf: torch.Tensor | None, norm_sq: torch.Tensor | None = None,
+                  norm_len: int | None = None) -> None:
     """Raise the exception for a failure reported as (code, i, j)."""
     code, i, j = found
     if code == "pair":
@@ -232,6 +274,9 @@ def raise_failure(found: tuple, dst: list, src: list, scale: torch.Tensor | None
     if code in ("scale", "found_inf"):
         check_scalar(code, scale if code == "scale" else found_inf, device)
         fail(TypeError, f"{code} must be a plain 1-element float32 tensor")
+    if code == "norm_sq":
+        check_norm_sq(norm_sq, len(dst) if norm_len is None else norm_len, device)
+        fail(TypeError, "norm_sq must be a plain float32 tensor")
     if code == "dst":
         check_dst(i, dst[i], device)
         fail(TypeError, f"dst[{i}] cannot be used (not a plain dense tensor with data)")
@@ -243,12 +288,18 @@ def raise_failure(found: tuple, dst: list, src: list, scale: torch.Tensor | None
         "found_inf_src": f"found_inf overlaps src[{i}] in memory",
         "found_inf_scale": "found_inf overlaps scale in memory",
         "scale_dst": f"scale overlaps dst[{i}] in memory",
+        "norm_sq_dst": f"norm_sq overlaps dst[{i}] in memory",
+        "norm_sq_src": f"norm_sq overlaps src[{i}] in memory",
+        "norm_sq_scale": "norm_sq overlaps scale in memory",
+        "norm_sq_found_inf": "norm_sq overlaps found_inf in memory",
     }
     if code in where:
         fail(ValueError, where[code])
-    name = f"dst[{i}]" if code.startswith("dst") else "found_inf"
+    name = (f"dst[{i}]" if code.startswith("dst")
+            else "norm_sq" if code.startswith("norm_sq") else "found_inf")
     if code.endswith("_grad"):
-        t = dst[i] if code.startswith("dst") else found_inf
+        t = (dst[i] if code.startswith("dst")
+             else norm_sq if code.startswith("norm_sq") else found_inf)
         if t.is_leaf:
             fail(RuntimeError, f"{name} is a leaf that requires grad: {_LEAF}")
         if t._base is not None and t._base.is_leaf:
