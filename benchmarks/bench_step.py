@@ -33,7 +33,10 @@ nonfinite.py, masters.py; update ``model_passes`` when the step changes):
   overflowed sum) as they write the window; the step reads that flag (one host sync). Only a
   window summed over ``process_group`` ranks or rescaled by more than 1 (``weighted``) gets a
   max-abs pass (4);
-* ``clip_norm`` (``max_grad_norm``): a 2-norm of the window (read 4);
+* clip norm (``max_grad_norm``): 0. The accumulate kernels write each param's squared norm as
+  they write its view (``norm_sq``); the step sums the slots of the touched params. (A window
+  written from outside the kernels, reduced across ranks or on several devices gets a 2-norm
+  pass instead: read 4, not in these rows);
 * ``grad_scale`` (clipping, or ``mean`` when the step learns N, i.e. ``accumulation_steps=None``
   and more than one micro-batch): no pass of its own. The fused inner AdamW divides the
   gradients by its ``grad_scale`` (given 1 / (normalisation * clip coefficient)) in its own pass
@@ -129,8 +132,6 @@ def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool,
         return passes
     opts = spec.options
     normalise = opts.get("reduction") == "mean" and not declare_n and micro_batches > 1
-    if "max_grad_norm" in opts:
-        passes["clip_norm"] = 4 * numel
     if normalise or "max_grad_norm" in opts:
         passes["grad_scale"] = 4 * numel  # fused AdamW writes the divided gradient back
     if b < 4:

@@ -61,6 +61,9 @@ class StepMixin:
     def _real_step(self) -> None:
         w, nf = self._window, self._nonfinite
         self._dp.check_world()
+        # the kernels' norm of what they wrote, read before anything else writes the window
+        raw = None if self._dp.active or self._dp.ddp_possible() else self._norm.norm(
+            [p for p in self._params if id(p) in w.touched])
         self._zero_untouched()
         totals = self._dp.finish(w.micro_steps, w.kept, w.local_weight(), nf.found_inf,
                                  [id(p) in w.touched for p in self._params])
@@ -80,14 +83,17 @@ class StepMixin:
         # coefficient go there (never a factor above 1: its divide could overflow unseen)
         factor = w.divisor / target
         fold = self._foldable() and not outside and factor <= 1.0
+        norm = None
+        if self.config.max_grad_norm is not None and raw is not None and not outside:
+            norm = raw * factor if factor != 1.0 else raw
         if not fold:
             self._normalise(target)
             factor = 1.0
         self._outside.scale(1.0 / (self._scaler.scale * target))
-        norm = self._clip_norm(flats + outside) if self.config.max_grad_norm is not None \
-            else None
-        if norm is not None and factor != 1.0:
-            norm = norm * factor
+        if self.config.max_grad_norm is not None and norm is None:
+            norm = self._clip_norm(flats + outside)
+            if factor != 1.0:
+                norm = norm * factor
         if not nf.window_finite(flats, norm, exact=self._window_rescaled(totals)) \
                 or not nf.all_finite(outside):
             return self._nonfinite_window()
