@@ -133,3 +133,48 @@ def test_data_write_after_copy_back_is_taken_in():
     mw.resync_changed()
     assert same_bits(mw.get(w).detach(), expected)
     assert torch.equal(mw.get(model.bias).detach(), untouched)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_resync_equals_torch(dtype):
+    """The GPU path's Triton kernel (run by the interpreter on CPU tensors here): one launch for
+    a list of (master, weight) pairs of several sizes, torch's rule bit for bit."""
+    from accumkernels.backends import triton as triton_backend
+
+    if not triton_backend.is_available(torch.device("cpu")):
+        pytest.skip("Triton's interpreter is not on (TRITON_INTERPRET=1)")
+    gen = torch.Generator().manual_seed(11)
+    sizes = [1, 5, 1024, 1500]
+    masters_, weights, expected = [], [], []
+    for n in sizes:
+        m = hard_masters(max(n, 16), dtype, gen)[:n].contiguous()
+        w = m.to(dtype)
+        changed = torch.rand(n, generator=gen) < 0.3
+        w[changed] = (torch.randn(int(changed.sum()), generator=gen) * 3).to(dtype)
+        expected.append(torch_resync(m.clone(), w))
+        masters_.append(m)
+        weights.append(w)
+    triton_backend.resync_masters(masters_, weights)
+    for got, want in zip(masters_, expected):
+        assert same_bits(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_resync_changed_on_the_gpu(dtype):
+    """MasterWeights on CUDA params: the one-launch Triton compare, torch's rule bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 70), torch.nn.Linear(70, 9)).to(dtype).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mw = masters_mod.MasterWeights(opt, enabled=True)
+    mw.retarget(list(model.parameters()))
+    for p in model.parameters():
+        mw.get(p).data.add_(torch.randn(p.shape, generator=gen).cuda() * 1e-3)
+    mw.copy_back()
+    model[0].weight.data[5:9].mul_(-3.0)
+    expected = {id(p): torch_resync(mw.get(p).detach().clone(), p.detach())
+                for p in model.parameters()}
+    mw.resync_changed()
+    for p in model.parameters():
+        assert same_bits(mw.get(p).detach().cpu(), expected[id(p)].cpu())

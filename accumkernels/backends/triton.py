@@ -183,6 +183,58 @@ if triton is not None:
                          SEARCH_STEPS, SRC_VEC, BLOCK, TAIL)
 
 
+    @triton.jit
+    def _resync_kernel(table_ptr, n_tensors, m_base, w_base, SEARCH_STEPS: tl.constexpr,
+                       BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """One program: a block of one (fp32 master, bf16/fp16 weight) pair; the master takes
+        the weight where the weight differs from the master rounded to its dtype."""
+        pid = tl.program_id(0)
+        lo = 0
+        hi = n_tensors
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            go_right = tl.load(table_ptr + 3 * n_tensors + mid) <= pid
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid)
+        m_off = tl.load(table_ptr + lo)
+        w_off = tl.load(table_ptr + n_tensors + lo)
+        numel = tl.load(table_ptr + 2 * n_tensors + lo)
+        first_block = tl.load(table_ptr + 3 * n_tensors + lo)
+        offsets = (pid - first_block).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < numel
+        m = tl.load(m_base + m_off + offsets, mask=inside, other=0.0)
+        w = tl.load(w_base + w_off + offsets, mask=inside, other=0.0)
+        if BF16:  # in integer arithmetic, exact everywhere (the interpreter's casts are not)
+            u = m.to(tl.uint32, bitcast=True)
+            r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000  # nearest even, as torch
+            rounded = tl.where(m != m, m, r.to(tl.float32, bitcast=True))
+            wide = (w.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32,
+                                                                          bitcast=True)
+        else:
+            rounded = m.to(tl.float16).to(tl.float32)  # nearest even, as torch
+            wide = w.to(tl.float32)
+        tl.store(m_base + m_off + offsets, wide, mask=inside & (wide != rounded))
+
+
+def resync_masters(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+    """fp32 ``masters[i]`` take ``weights[i]`` (one bf16 or fp16 dtype) wherever the weight
+    differs from the master rounded to its dtype (NaN differs): one launch, no temporaries."""
+    pairs = [(m, w) for m, w in zip(masters, weights) if w.numel()]
+    if not pairs:
+        return
+    block = 1024
+    rows, b_m, b_w, total = _table(pairs, block)
+    device = pairs[0][0].device
+    table = torch.tensor(rows[:4], dtype=torch.int64)
+    with on_device(device):
+        if device.type != "cpu":
+            table = table.pin_memory().to(device, non_blocking=True)
+        _resync_kernel[(total,)](table, len(pairs), pairs[b_m][0], pairs[b_w][1],
+                                 SEARCH_STEPS=max(1, (len(pairs) - 1).bit_length()),
+                                 BF16=pairs[0][1].dtype == torch.bfloat16, BLOCK=block,
+                                 num_warps=NUM_WARPS)
+
+
 def _capturing_graph():
     """The torch.cuda.CUDAGraph being captured on the current stream, or None when torch did not
     start the capture (or this torch cannot say)."""

@@ -19,6 +19,7 @@ import torch
 
 from accumkernels._util import LOW_PRECISION
 from accumkernels.backends import native
+from accumkernels.backends import triton as triton_backend
 
 
 class MasterWeights:
@@ -69,11 +70,13 @@ class MasterWeights:
 
         On the CPU a weight whose fingerprint still equals the one the copy-back recorded is
         unchanged (reading 2 B/element); the others get one native pass that reads the master
-        and the weight and writes only what differs (no temporaries). Elsewhere, torch ops per
-        param."""
+        and the weight and writes only what differs (no temporaries). On a GPU with Triton,
+        one launch per device and dtype does the same compare (6 B/element); otherwise torch
+        ops per param."""
         rest = self.model_params
         if native.resync_masters_cpu is not None:
             rest = _resync_native(self._changed_since_copy_back(rest), self.masters)
+        rest = _resync_triton(rest, self.masters)
         for p in rest:
             m = self.masters[id(p)]
             changed = p.ne(m.to(p.dtype))
@@ -179,4 +182,21 @@ def _resync_native(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
             fits = []
         done = {id(p) for _, p in fits}
         rest.extend(p for _, p in pairs if id(p) not in done)
+    return rest
+
+
+def _resync_triton(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
+                   ) -> list[torch.Tensor]:
+    """GPU (Triton) pairs: one launch per device and dtype; returns the params left over."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    rest: list[torch.Tensor] = []
+    for p in params:
+        m = masters[id(p)]
+        if p.device.type == "cuda" and m.device == p.device and p.is_contiguous() \
+                and m.is_contiguous() and not p.is_neg() and triton_backend.is_available(p.device):
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        else:
+            rest.append(p)
+    for group in groups.values():
+        triton_backend.resync_masters([masters[id(p)] for p in group], group)
     return rest
