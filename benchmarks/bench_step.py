@@ -58,7 +58,6 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -259,7 +258,8 @@ def row_record(row: StepRow, numel: int, args: argparse.Namespace, expected_step
                tally: dict | None) -> dict:
     """One row of the record (timing, ratios filled in later, byte model, tally, status)."""
     spec = row.spec
-    native_resync = torch.device(args.device).type == "cpu" and native.resync_masters_cpu is not None
+    native_resync = (torch.device(args.device).type == "cpu"
+                     and native.resync_masters_cpu is not None)
     passes = model_passes(spec, numel, args.micro_batches, args.declare_n, native_resync)
     skipped = getattr(row.opt, "skipped_steps", 0)
     steps = row.inner_steps()

@@ -9,8 +9,8 @@ checkpoint; this file only assembles them.
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
+
 import torch
 
 from accumkernels import backends
@@ -25,11 +25,12 @@ from accumkernels.optim.intake import Intake
 from accumkernels.optim.masters import MasterWeights
 from accumkernels.optim.nonfinite import NonFinite
 from accumkernels.optim.outside import OutsideParams
+from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
 from accumkernels.optim.scaling import LossScaler
 from accumkernels.optim.stepping import StepMixin
 from accumkernels.optim.window import Window
 from accumkernels.optim.window_norm import NO_NORM, WindowNorm
-from accumkernels.slot import SLOT_ATTR, get_slot
+from accumkernels.slot import SLOT_ATTR
 
 __all__ = ["AccumulatingOptimizer"]
 
@@ -117,7 +118,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
                  max_grad_norm=None, nonfinite="skip_step", loss_scale=None,
                  process_group=None, bucket_size_mb=25, backend="auto", model=None,
                  independent_ranks=False):
-        _check_inner(optimizer)
+        check_inner(optimizer, AccumulatingOptimizer, _OWNER_ATTR)
         self.config = cfg = make_config(
             accumulation_steps=accumulation_steps, reduction=reduction,
             master_weights=master_weights, accumulate_in_backward=accumulate_in_backward,
@@ -142,7 +143,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         if model is not None:
             check_model(model)
-            _refuse_sparse_modules(model)
+            refuse_sparse_modules(model)
         self._scaler = LossScaler(cfg.loss_scale)
         self._window = Window(cfg)
         self._masters = MasterWeights(optimizer, master_weights == "auto" and any(
@@ -160,7 +161,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         """(Re)build the buffer, the masters and the hooks for the managed ``params``."""
         for device in {p.device for p in params}:  # an unusable backend fails here, before
             backends.resolve(self.config.backend, device)  # anything is touched
-        _take_over(params, self)
+        take_over(params, self)
         buffer = MasterGradBuffer(params, bucket_size_mb=self.config.bucket_size_mb)
         if self._intake is not None:
             self._intake.hide_all()
@@ -393,62 +394,6 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
     def remove_hooks(self) -> None:
         """Detach from the model's params (the wrapper stops accumulating during backward)."""
         self._intake.remove()
-
-
-def _check_inner(optimizer: object) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, AccumulatingOptimizer):
-        raise TypeError("optimizer is already an AccumulatingOptimizer")
-    previous = getattr(optimizer, _OWNER_ATTR, None)
-    if previous is not None and previous() is not None:
-        raise ValueError("this optimizer is already wrapped by a live AccumulatingOptimizer; "
-                         "wrap each inner optimizer once (build a new one to start over)")
-    if previous is not None and getattr(optimizer, "_accumkernels_masters", False):
-        raise ValueError("this optimizer was wrapped before with master weights: its "
-                         "param_groups now hold that wrapper's fp32 copies; build a new one")
-    seen: set[int] = set()
-    for g, group in enumerate(optimizer.param_groups):
-        if group.get("differentiable"):
-            raise ValueError(f"param_groups[{g}] has differentiable=True: a step through which "
-                             "autograd differentiates cannot run on an accumulated window; use "
-                             "the optimizer without AccumulatingOptimizer")
-        for i, p in enumerate(group["params"]):
-            where = f"param_groups[{g}]['params'][{i}]"
-            if id(p) in seen:
-                raise ValueError(f"{where} appears more than once in the optimizer")
-            if p.device.type == "meta":
-                raise ValueError(f"{where} is on the meta device; materialise the model first")
-            if p.is_complex():
-                raise ValueError(f"{where} is complex ({p.dtype}); the fp32 window holds real "
-                                 "gradients only (view it with torch.view_as_real first)")
-            if not p.is_floating_point():
-                raise TypeError(f"{where} has dtype {p.dtype}; expected a floating-point param")
-            seen.add(id(p))
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        raise ValueError("SparseAdam steps sparse gradients, which the fp32 window cannot hold; "
-                         "use it without AccumulatingOptimizer (autograd sums sparse gradients)")
-
-
-def _refuse_sparse_modules(model: torch.nn.Module) -> None:
-    for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
-            raise ValueError(f"{name or 'model'} is an {type(module).__name__} with sparse=True: "
-                             "its sparse gradients cannot be summed in the dense fp32 window; "
-                             "use sparse=False, or train without AccumulatingOptimizer")
-
-
-def _take_over(params: list[torch.Tensor], new_owner: AccumulatingOptimizer) -> None:
-    """A live wrapper already managing these params stops, with a warning."""
-    for p in params:
-        slot = get_slot(p)
-        if slot is not None and slot.owner is not None and slot.owner is not new_owner:
-            warnings.warn("AccumulatingOptimizer: these params were managed by another live "
-                          "wrapper; it is detached (its hooks removed) and this one takes over",
-                          stacklevel=3)
-            slot.owner.remove_hooks()
-            return
 
 
 def _rebuild(inner: torch.optim.Optimizer, kwargs: dict, own: dict) -> AccumulatingOptimizer:
