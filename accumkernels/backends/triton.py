@@ -94,6 +94,19 @@ if triton is not None:
         return sq
 
     @triton.jit
+    def _find_tensor(table_ptr, n_tensors, pid, SEARCH_STEPS: tl.constexpr):
+        """The table row of program ``pid``: the largest t with first_block[t] <= pid (binary
+        search, first_block[lo] <= pid < first_block[hi])."""
+        lo = 0
+        hi = n_tensors
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            go_right = tl.load(table_ptr + 3 * n_tensors + mid) <= pid
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid)
+        return lo
+
+    @triton.jit
     def _accumulate_body(table_ptr, n_tensors, dst_base, src_base, scale_ptr, scale, found_inf_ptr,
                          norm_ptr, SCALE_FROM_PTR: tl.constexpr, OVERWRITE: tl.constexpr,
                          CHECK_FINITE: tl.constexpr, NORM: tl.constexpr,
@@ -102,14 +115,7 @@ if triton is not None:
         """One program (see _accumulate_kernel); NORM: atomically adds its block's sum of
         squares to norm_ptr[table[5, tensor]] (zeroed before the launch)."""
         pid = tl.program_id(0)
-        # Largest t with first_block[t] <= pid (first_block[lo] <= pid < first_block[hi]).
-        lo = 0
-        hi = n_tensors
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi) // 2
-            go_right = tl.load(table_ptr + 3 * n_tensors + mid) <= pid
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(go_right, hi, mid)
+        lo = _find_tensor(table_ptr, n_tensors, pid, SEARCH_STEPS)
         dst_off = tl.load(table_ptr + lo)
         src_off = tl.load(table_ptr + n_tensors + lo)
         numel = tl.load(table_ptr + 2 * n_tensors + lo)
@@ -189,13 +195,7 @@ if triton is not None:
         """One program: a block of one (fp32 master, bf16/fp16 weight) pair; the master takes
         the weight where the weight differs from the master rounded to its dtype."""
         pid = tl.program_id(0)
-        lo = 0
-        hi = n_tensors
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi) // 2
-            go_right = tl.load(table_ptr + 3 * n_tensors + mid) <= pid
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(go_right, hi, mid)
+        lo = _find_tensor(table_ptr, n_tensors, pid, SEARCH_STEPS)
         m_off = tl.load(table_ptr + lo)
         w_off = tl.load(table_ptr + n_tensors + lo)
         numel = tl.load(table_ptr + 2 * n_tensors + lo)
