@@ -229,3 +229,17 @@ def test_nonfinite_on_one_rank_skips_the_step_everywhere(two):
         assert not all(torch.equal(a, b) for a, b in zip(p1, p2)), "window 2 did not step"
     for a, b in zip(two[0]["nonfinite"]["params"][-1], two[1]["nonfinite"]["params"][-1]):
         assert torch.equal(a, b)
+
+
+def test_bf16_exactness_check_in_chunks(monkeypatch):
+    """The wire's fallback test reads the input chunk by chunk (no whole fp32 temporary): a
+    value off bf16 in the last chunk, or in the first, is still seen."""
+    from accumkernels.optim import fsdp2_wire
+
+    monkeypatch.setattr(fsdp2_wire, "_CHECK_CHUNK", 7)
+    x = torch.randn(50).to(torch.bfloat16).float()
+    assert fsdp2_wire._bf16_exact(x.to(torch.bfloat16), x)
+    for i in (0, 48, 49):
+        y = x.clone()
+        y[i] += y[i].abs() * 2.0**-12 + 2.0**-40  # between two bf16 values
+        assert not fsdp2_wire._bf16_exact(y.to(torch.bfloat16), y), i

@@ -52,7 +52,7 @@ class Bf16WireReduceScatter(ReduceScatter):
             raise ValueError(f"Bf16WireReduceScatter: reduce op {op} is not supported; use "
                              "set_force_sum_reduction_for_comms(True) with a divide factor")
         wire = input_tensor.to(torch.bfloat16)
-        if not torch.equal(wire.float(), input_tensor):  # not bf16-exact: fp32, as natively
+        if not _bf16_exact(wire, input_tensor):  # not bf16-exact: fp32, as natively
             self.fp32_fallbacks += 1
             self.bytes_sent += 4 * n * (world - 1)
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
@@ -67,6 +67,17 @@ class Bf16WireReduceScatter(ReduceScatter):
         if avg:
             output_tensor.div_(world)
         return None
+
+
+_CHECK_CHUNK = 1 << 20  # elements per exactness check: a bounded fp32 temporary
+
+
+def _bf16_exact(wire: torch.Tensor, fp32: torch.Tensor) -> bool:
+    """Whether ``fp32`` holds exactly ``wire``'s values (chunk by chunk: no fp32 copy of the
+    whole input at the peak of the reduce-scatter)."""
+    flat_w, flat_f = wire.reshape(-1), fp32.reshape(-1)
+    return all(torch.equal(flat_w[i:i + _CHECK_CHUNK].float(), flat_f[i:i + _CHECK_CHUNK])
+               for i in range(0, flat_w.numel(), _CHECK_CHUNK))
 
 
 def enable_bf16_reduce_scatter(model: torch.nn.Module,
