@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
@@ -103,6 +104,10 @@ def _spawned(rank: int, world_size: int, args: argparse.Namespace, store: str) -
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # gloo's threads can abort in C++ static destructors at a normal interpreter exit
+    # ("terminate called without an active exception"): this spawned rank leaves without them
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
