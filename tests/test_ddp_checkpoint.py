@@ -3,7 +3,7 @@ backward each rank's window is its own; frameworks save rank 0's optimizer state
 (Accelerate's ``save_state``, the HF Trainer). So:
 
 * every rank saving and loading its own state dict resumes exactly (bit-identical to not
-  stopping, fp32, 2 gloo ranks, DDP, K=4);
+  stopping, fp32, 2 and 4 gloo ranks, DDP, K=4);
 * rank 0's state dict loaded on rank 1 is refused with a ValueError naming the problem, before
   anything changes (loading it would silently replace rank 1's part of the window by rank 0's);
   ``state_dict()`` warns when it holds a rank-local window;
@@ -26,7 +26,7 @@ from _spawn import run_scenario, spawn_ranks
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available")
 
-WORLD, K, LR = 2, 4, 1e-2
+K, LR = 4, 1e-2
 
 
 def build(params: list[torch.Tensor] | None = None):
@@ -120,13 +120,14 @@ def scenario(rank: int) -> dict:
 def _rank_main(rank: int, out_dir: str, name: str, kwargs: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    run_scenario(rank, out_dir, WORLD, lambda: scenario(rank))
+    run_scenario(rank, out_dir, kwargs["world"], lambda: scenario(rank))
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return spawn_ranks(_rank_main, str(tmp_path_factory.mktemp("ddp_ckpt")), "ckpt", {}, WORLD,
-                       timeout=120)
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def ranks(request, tmp_path_factory):
+    world = request.param
+    return spawn_ranks(_rank_main, str(tmp_path_factory.mktemp(f"ddp_ckpt{world}")), "ckpt",
+                       {"world": world}, world, timeout=180)
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -149,17 +150,20 @@ def build_initial() -> list[torch.Tensor]:
     return snapshot(model)
 
 
-def test_rank0_mid_window_state_dict_is_refused_on_rank1(ranks):
-    r0, r1 = ranks[0]["rank0_mid"], ranks[1]["rank0_mid"]
+def test_rank0_mid_window_state_dict_is_refused_on_other_ranks(ranks):
+    r0 = ranks[0]["rank0_mid"]
     assert "refused" not in r0 and same(r0["params"], ranks[0]["straight"])
-    assert "refused" in r1, "rank 1 silently took rank 0's window"
-    assert "rank 0's window" in r1["refused"] and "rank 1 of 2" in r1["refused"]
-    assert r1["micro_steps"] == 0 and r1["window_empty"]  # nothing changed
+    for rank, res in enumerate(ranks[1:], start=1):
+        run = res["rank0_mid"]
+        assert "refused" in run, f"rank {rank} silently took rank 0's window"
+        assert "rank 0's window" in run["refused"]
+        assert f"rank {rank} of {len(ranks)}" in run["refused"]
+        assert run["micro_steps"] == 0 and run["window_empty"]  # nothing changed
 
 
 def test_rank0_state_dict_taken_before_the_sync_micro_batch_is_refused_too(ranks):
     """Cut before the last micro-batch: still rank-local (the sync backward has not run)."""
-    assert "refused" in ranks[1]["rank0_synced"]
+    assert all("refused" in res["rank0_synced"] for res in ranks[1:])
 
 
 def test_after_the_sync_backward_rank0_state_dict_resumes_every_rank(ranks):

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from accumkernels.ops import accumulate_
+from accumkernels.optim.intake import _EndOfBackward
 
 _engine = torch.autograd.Variable._execution_engine
 _ALIGN = 32  # elements: every shard view starts on a 128-byte boundary (the kernels' vector path)
@@ -67,24 +68,6 @@ class ShardedWindow:
     @property
     def numel(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
-
-
-class _EndOfBackward:
-    """The final callback of one backward; runs once more after the others (FSDP2's)."""
-
-    def __init__(self, intake: ShardedIntake):
-        self.intake = weakref.ref(intake)
-        self.requeued = False
-
-    def __call__(self) -> None:
-        intake = self.intake()
-        if intake is None:
-            return
-        if not self.requeued:
-            self.requeued = True
-            _engine.queue_callback(self)
-            return
-        intake.end_backward()
 
 
 def _compiled_autograd_on() -> bool:
@@ -134,7 +117,7 @@ class ShardedIntake:
         self.settle()
         self.cleared_outside()
         self._active = True
-        end = _EndOfBackward(self)
+        end = _EndOfBackward(self, nested=False)
         self._end_ref = weakref.ref(end)
         _engine.queue_callback(end)
         self.hide_all()
@@ -142,7 +125,7 @@ class ShardedIntake:
     def settle(self) -> None:
         """Close a backward that raised (its final callback was dropped without running)."""
         if self._active and self._end_ref() is None:
-            self.end_backward()
+            self._end_backward()
 
     def arrived(self, i: int) -> None:
         """FSDP2's hook: p's reduced shard of this backward is in ``p.grad``."""
@@ -196,7 +179,7 @@ class ShardedIntake:
             self.params[i].grad = None
             touched.add(id(self.params[i]))
 
-    def end_backward(self) -> None:
+    def _end_backward(self) -> None:
         self._active, self._end_ref = False, None
         for group in list(self.pending):
             self._launch(group)

@@ -52,21 +52,24 @@ _HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
 
 
 class _EndOfBackward:
-    """The final callback of one backward; holds the intake weakly."""
+    """The final callback of one backward; holds the intake weakly, runs once more after the
+    other final callbacks (DDP's, FSDP2's), then calls ``intake._end_backward()``. ``nested``:
+    a callback of a backward nested in a running one defers to the outer backward."""
 
-    def __init__(self, intake: Intake):
+    def __init__(self, intake, nested: bool = True):
         self.intake = weakref.ref(intake)
+        self.nested = nested
         self.requeued = False
 
     def __call__(self) -> None:
         intake = self.intake()
         if intake is None:
             return
-        node = torch._C._current_autograd_node()
+        node = torch._C._current_autograd_node() if self.nested else None
         if node is not None:  # nested in a running backward: the outer one ends the micro-batch
             intake._defer_to(node)
             return
-        if not self.requeued:  # run once more, after the other final callbacks (e.g. DDP's)
+        if not self.requeued:  # run once more, after the other final callbacks
             self.requeued = True
             _engine.queue_callback(self)
             return

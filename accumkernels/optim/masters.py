@@ -113,15 +113,11 @@ class MasterWeights:
         if rest:
             torch._foreach_copy_(rest, [self.masters[id(p)] for p in rest])
 
-    def _native_pairs(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [p for p in params if p.device.type == "cpu" and p.is_contiguous()
-                and not p.is_neg() and self.masters[id(p)].is_contiguous()
-                and self.masters[id(p)].device.type == "cpu"]
-
     def _copy_back_native(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         done: set[int] = set()
+        plain = [p for p in params if _plain_pair(p, self.masters[id(p)], "cpu")]
         for dtype in LOW_PRECISION:
-            group = [p for p in self._native_pairs(params) if p.dtype == dtype]
+            group = [p for p in plain if p.dtype == dtype]
             if not group:
                 continue
             prints = native.copy_back_cpu([self.masters[id(p)].data_ptr() for p in group],
@@ -164,6 +160,13 @@ class MasterWeights:
         self.copy_back()
 
 
+def _plain_pair(p: torch.Tensor, m: torch.Tensor, device_type: str) -> bool:
+    """A (weight, master) pair the raw-pointer passes can take: both contiguous, on one device
+    of ``device_type``, the weight without a negative bit."""
+    return p.device.type == device_type and m.device == p.device and p.is_contiguous() \
+        and m.is_contiguous() and not p.is_neg()
+
+
 def _resync_native(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
                    ) -> list[torch.Tensor]:
     """Re-sync the CPU (master, weight) pairs of one dtype in one native call each; returns
@@ -173,8 +176,7 @@ def _resync_native(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
         pairs = [(masters[id(p)], p) for p in params if p.dtype == dtype]
         if not pairs:
             continue
-        fits = [(m, p) for m, p in pairs if p.device.type == "cpu" and m.device.type == "cpu"
-                and p.is_contiguous() and m.is_contiguous() and not p.is_neg()]
+        fits = [(m, p) for m, p in pairs if _plain_pair(p, m, "cpu")]
         code = native.DTYPE_CODES[dtype]
         if not fits or native.resync_masters_cpu(
                 [m.data_ptr() for m, _ in fits], [p.data_ptr() for _, p in fits],
@@ -192,8 +194,7 @@ def _resync_triton(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
     rest: list[torch.Tensor] = []
     for p in params:
         m = masters[id(p)]
-        if p.device.type == "cuda" and m.device == p.device and p.is_contiguous() \
-                and m.is_contiguous() and not p.is_neg() and triton_backend.is_available(p.device):
+        if _plain_pair(p, m, "cuda") and triton_backend.is_available(p.device):
             groups.setdefault((p.device, p.dtype), []).append(p)
         else:
             rest.append(p)

@@ -62,8 +62,9 @@ class StepMixin:
         w, nf = self._window, self._nonfinite
         self._dp.check_world()
         # the kernels' norm of what they wrote, read before anything else writes the window
-        raw = None if self._dp.active or self._dp.ddp_possible() else self._norm.norm(
-            [p for p in self._params if id(p) in w.touched])
+        raw = None
+        if self._norm.enabled and not (self._dp.active or self._dp.ddp_possible()):
+            raw = self._norm.norm([p for p in self._params if id(p) in w.touched])
         self._zero_untouched()
         totals = self._dp.finish(w.micro_steps, w.kept, w.local_weight(), nf.found_inf,
                                  [id(p) in w.touched for p in self._params])
@@ -112,7 +113,7 @@ class StepMixin:
         try:
             protocol.inner_step(self.optimizer)
         finally:
-            self._unfold_clip()
+            self._unfold_scale()
         self._after_inner_step(cast)
         self._scaler.update(found_inf=False)
         self._reset_window()
@@ -144,15 +145,15 @@ class StepMixin:
             inv = torch.tensor(1.0 / factor, device=device) if norm is None else \
                 torch.clamp((norm + 1e-6) / self.config.max_grad_norm, min=1.0) / factor
             self.optimizer.grad_scale, self.optimizer.found_inf = inv, torch.zeros_like(inv)
-            self._folded_clip = True
+            self._folded_scale = True
             return
         coef = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device))
 
-    def _unfold_clip(self) -> None:
-        if getattr(self, "_folded_clip", False):
-            self._folded_clip = False
+    def _unfold_scale(self) -> None:
+        if getattr(self, "_folded_scale", False):
+            self._folded_scale = False
             del self.optimizer.grad_scale, self.optimizer.found_inf
 
     def _nonfinite_window(self) -> None:
