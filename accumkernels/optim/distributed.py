@@ -245,6 +245,19 @@ class DataParallel:
             self.totals = self._agree(owner)
         return self.totals
 
+    def agree_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The window's norm as the step uses it: every rank holds the whole (reduced) window,
+        so the norm is this rank's, but a non-finite value on any rank (written after the
+        reduction, or into one rank's ``p.grad``) makes it non-finite on every rank: the ranks
+        skip (or raise) together, never step apart."""
+        if self.reducer is None:
+            return norm
+        bad = (~torch.isfinite(norm)).double().reshape(1)
+        reducer = self.reducer
+        reducer._wait(dist.all_reduce(bad, group=reducer.group, async_op=True),
+                      "non-finite check")
+        return norm if float(bad) == 0 else torch.full_like(norm, float("nan"))
+
     def reset(self) -> None:
         self.totals = None
         self._clean = self._stale = self._synced = False

@@ -28,7 +28,7 @@ from accumkernels._util import LOW_PRECISION
 from accumkernels.distributed import WindowTotals
 from accumkernels.optim import fsdp2_checkpoint, protocol
 from accumkernels.optim.fsdp2_intake import ShardedIntake, ShardedWindow
-from accumkernels.optim.nonfinite import NonFinite
+from accumkernels.optim.nonfinite import sum_of_squares
 from accumkernels.optim.optimizer import _WINDOW_DTYPES, AccumulatingOptimizer
 
 __all__ = ["ShardedAccumulatingOptimizer", "is_sharded"]
@@ -202,20 +202,6 @@ class MeshAgreement:
         self.totals = None
 
 
-class MeshNonFinite(NonFinite):
-    """The non-finite decision, agreed over the mesh: a window is stepped everywhere or nowhere."""
-
-    def __init__(self, config, device: torch.device, agreement: MeshAgreement):
-        super().__init__(config, device)
-        self.agreement = agreement
-
-    def window_finite(self, flats: list[torch.Tensor], norm: torch.Tensor | None,
-                      exact: bool = False) -> bool:
-        bad = torch.tensor([0.0 if super().window_finite(flats, norm, exact) else 1.0],
-                           device=self.found_inf.device)
-        return not bool(self.agreement.all_reduce(bad, "non-finite check").item())
-
-
 class ShardedAccumulatingOptimizer(AccumulatingOptimizer):
     """AccumulatingOptimizer for FSDP2 models; built by ``AccumulatingOptimizer(...)`` itself."""
 
@@ -234,7 +220,6 @@ class ShardedAccumulatingOptimizer(AccumulatingOptimizer):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
         self._dp = MeshAgreement(mesh, averaged=not weighted)
-        self._nonfinite = MeshNonFinite(self.config, self._nonfinite.found_inf.device, self._dp)
 
     def _build(self, params: list[torch.Tensor]) -> None:
         for device in {p.device for p in params}:
@@ -254,13 +239,23 @@ class ShardedAccumulatingOptimizer(AccumulatingOptimizer):
     def _foldable(self) -> bool:
         return False  # the window's factors stay explicit passes over the DTensor shards
 
-    def _clip_norm(self, flats: list[torch.Tensor]) -> torch.Tensor:
-        """The global 2-norm of the window (and of the native ``.grad`` of params outside it,
-        after the flats), computed as ``clip_grad_norm_`` does on DTensors."""
+    def _window_norm(self, outside: list[torch.Tensor]) -> torch.Tensor:
+        """The global 2-norm of the window (and of the native ``.grad`` of params outside it),
+        computed as ``clip_grad_norm_`` does on DTensors, so the same on every rank. Where it is
+        not finite, a float64 sum of squares of the local shards summed over the mesh tells an
+        fp32 overflow (finite values: that norm) from a non-finite value on any rank (NaN)."""
         touched = self._window.touched
         shown = [v for p, v in zip(self._params, self._intake.views) if id(p) in touched]
-        norm = torch.nn.utils.get_total_norm(shown + flats[len(self._buffer.buffers):], 2.0)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = torch.nn.utils.get_total_norm(shown + outside, 2.0) if shown or outside \
+            else torch.zeros((), device=self._nonfinite.found_inf.device)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if bool(torch.isfinite(norm)):
+            return norm
+        sumsq = sum_of_squares(shown + outside, norm.device)
+        bad = ~torch.isfinite(sumsq)
+        values = torch.stack([torch.where(bad, torch.zeros_like(sumsq), sumsq), bad.double()])
+        values = self._dp.all_reduce(values, "non-finite check")
+        return values[0].sqrt() if float(values[1]) == 0 else torch.full_like(sumsq, float("nan"))
 
     def state_dict(self) -> dict:
         """A torch optimizer state dict whose window is per-param DTensors (for DCP; see

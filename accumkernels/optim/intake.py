@@ -301,9 +301,7 @@ class Intake:
                 self.buffer.accumulate([params[k] for k in group], [grads[k] for k in group],
                                        owner._prescale(), overwrite=overwrite,
                                        found_inf=owner._nonfinite.launch_flag(),
-                                       norm_sq=owner._norm.for_launch(),
                                        backend=owner.config.backend)
-                owner._norm.launched()
         touched.update(id(p) for p in params)
         owner._bucket_moved(bucket)
 

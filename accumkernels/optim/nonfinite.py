@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from accumkernels.optim.config import Config
 
 
 class NonFinite:
-    """Owns ``found_inf`` (set by the kernels, never reset by them), the policy and counters.
+    """Owns the policy, the counters and ``found_inf`` (set by the kernels, never reset by them).
 
-    * ``skip_step``: a window with any non-finite input gradient, or whose fp32 sum overflowed,
-      is dropped whole (``skipped_steps``);
+    * ``skip_step``: a window that holds a non-finite value at ``step()`` (a non-finite
+      gradient, an fp32 sum that overflowed, a value written by the user) is dropped whole
+      (``skipped_steps``);
     * ``skip_microbatch``: a micro-batch with a non-finite gradient is dropped before it
-      reaches the window (``skipped_microbatches``); a window that overflows in its sum is
-      still dropped whole;
+      reaches the window (``skipped_microbatches``); a window that is non-finite at the step
+      is still dropped whole;
     * ``raise``: ``FloatingPointError`` naming the first bad param.
+
+    The step decides from the window itself (:func:`grad_norm`), never from ``found_inf``:
+    a write through ``p.grad``, ``.data``, numpy or the storage changes the window without
+    setting the flag, and a user's fix of a bad value is as native. The kernels' flag is kept in
+    the state dict for older readers.
     """
 
     def __init__(self, config: Config, device: torch.device):
@@ -45,22 +49,6 @@ class NonFinite:
             return True
         return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
-    def window_finite(self, flats: list[torch.Tensor], norm: torch.Tensor | None,
-                      exact: bool = False) -> bool:
-        """Whether the window can be stepped: no non-finite value reached it, no sum overflowed.
-
-        The kernels that wrote the window flagged both (``found_inf``), so this is one flag read.
-        ``exact``: the window was also changed by passes without the flag (a sum across ranks, a
-        rescale by more than 1): ``norm`` (the global 2-norm, when clipping computed it) answers
-        it when finite; otherwise a max-abs pass tells overflowed squares from non-finite values.
-        """
-        if bool(self.found_inf.item()):
-            return False
-        if not exact or (norm is not None and bool(torch.isfinite(norm))):
-            return True
-        return all(bool(torch.isfinite(torch.linalg.vector_norm(f, math.inf)))
-                   for f in flats if f.numel())
-
     def state_dict(self) -> dict:
         return {"found_inf": self.found_inf.detach().clone(),
                 "skipped_steps": self.skipped_steps,
@@ -81,3 +69,30 @@ class NonFinite:
         self.found_inf.copy_(parsed["found_inf"].reshape(1))
         self.skipped_steps = parsed["skipped_steps"]
         self.skipped_microbatches = parsed["skipped_microbatches"]
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` as ``clip_grad_norm_`` computes it (``get_total_norm``: fp32
+    per-tensor norms, then the norm of those): one read pass (4 B/element).
+
+    It is finite exactly when every element is. Where fp32 overflows with finite elements
+    (squares past FLT_MAX) it is computed again in float64 (:func:`sum_of_squares`) and returned
+    in float64; a finite fp32 square never overflows float64.
+    """
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if bool(torch.isfinite(norm)):
+        return norm
+    return sum_of_squares(grads, norm.device).sqrt()
+
+
+def sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σx² over every element of ``grads`` (DTensors: their local shard) in float64, a 0-dim
+    tensor on ``device``: finite exactly when every element is."""
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    parts = [torch.linalg.vector_norm(g, dtype=torch.float64).to(device).square()
+             for g in grads if g.numel()]
+    return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64,
+                                                              device=device)

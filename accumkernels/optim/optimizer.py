@@ -29,7 +29,6 @@ from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take
 from accumkernels.optim.scaling import LossScaler
 from accumkernels.optim.stepping import StepMixin
 from accumkernels.optim.window import Window
-from accumkernels.optim.window_norm import NO_NORM, WindowNorm
 from accumkernels.slot import SLOT_ATTR
 
 __all__ = ["AccumulatingOptimizer"]
@@ -103,7 +102,6 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
     """
 
     _takes_dtensors = False  # FSDP2 (issue 22): True in accumkernels.optim.fsdp2's subclass
-    _norm = NO_NORM  # the window's norm from the kernels (set by _build with max_grad_norm)
 
     def __new__(cls, optimizer=None, *args, **kwargs):
         # FSDP2 (issue 22): DTensor params get their own room, accumkernels.optim.fsdp2
@@ -178,7 +176,6 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
                               move_in_backward=self.config.accumulate_in_backward,
                               outside=[p for p in self._outside.params
                                        if p.is_leaf and p.requires_grad])
-        self._norm = WindowNorm(buffer, self.config.max_grad_norm is not None)
 
     def _rebase_buffer(self) -> None:
         """A new buffer on the params' current devices (they moved); the hooks stay."""
@@ -186,7 +183,6 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
             backends.resolve(self.config.backend, device)
         self._buffer = MasterGradBuffer(self._params, bucket_size_mb=self.config.bucket_size_mb)
         self._intake.rebase(self._buffer)
-        self._norm = WindowNorm(self._buffer, self.config.max_grad_norm is not None)
 
     # -- sharing the inner optimizer ----------------------------------------------------------
     param_groups = property(lambda self: self.optimizer.param_groups,
@@ -328,7 +324,6 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         self._settle()
 
     def _reset_window(self) -> None:
-        self._norm.reset()
         self._window.reset()
         self._nonfinite.reset()
         self._dp.reset()

@@ -6,6 +6,7 @@ import torch
 
 from accumkernels._util import LOW_PRECISION
 from accumkernels.optim import protocol
+from accumkernels.optim.nonfinite import grad_norm
 
 _NO_WEIGHTS = "reduction='weighted' needs add_weight() for the window's micro-batches"
 
@@ -59,19 +60,14 @@ class StepMixin:
         protocol.run_step(self, args, {}, self._real_step)
 
     def _real_step(self) -> None:
-        w, nf = self._window, self._nonfinite
+        w = self._window
         self._dp.check_world()
-        # the kernels' norm of what they wrote, read before anything else writes the window
-        raw = None
-        if self._norm.enabled and not (self._dp.active or self._dp.ddp_possible()):
-            raw = self._norm.norm([p for p in self._params if id(p) in w.touched])
         self._zero_untouched()
-        totals = self._dp.finish(w.micro_steps, w.kept, w.local_weight(), nf.found_inf,
+        totals = self._dp.finish(w.micro_steps, w.kept, w.local_weight(),
+                                 self._nonfinite.found_inf,
                                  [id(p) in w.touched for p in self._params])
         if totals is not None:
             w.touched = {id(p) for p, t in zip(self._params, totals.touched) if t}
-            if totals.found_inf:
-                nf.found_inf.fill_(1.0)
         kept = totals.kept if totals is not None else w.kept
         if kept == 0:  # every micro-batch was dropped (on every rank)
             return self._skip()
@@ -84,27 +80,25 @@ class StepMixin:
         # coefficient go there (never a factor above 1: its divide could overflow unseen)
         factor = w.divisor / target
         fold = self._foldable() and not outside and factor <= 1.0
-        norm = None
-        if self.config.max_grad_norm is not None and raw is not None and not outside:
-            norm = raw * factor if factor != 1.0 else raw
         if not fold:
             self._normalise(target)
             factor = 1.0
         self._outside.scale(1.0 / (self._scaler.scale * target))
-        if self.config.max_grad_norm is not None and norm is None:
-            norm = self._clip_norm(flats + outside)
-            if factor != 1.0:
-                norm = norm * factor
-        if not nf.window_finite(flats, norm, exact=self._window_rescaled(totals)) \
-                or not nf.all_finite(outside):
+        # finiteness and the clip norm from the window as it is now (one read pass), agreed
+        # over the ranks; where fp32 overflows with finite values, in float64
+        norm = self._window_norm(outside)
+        if not bool(torch.isfinite(norm)):
             return self._nonfinite_window()
-        if norm is not None:
+        if self.config.max_grad_norm is None:
+            norm = None
+        else:
+            norm = (norm * factor if factor != 1.0 else norm).float()
             self.last_grad_norm = norm
         self._scale_grads(flats + outside, norm, factor, fold)
         if fold:
             w.divisor = target  # the inner optimizer writes the divided gradients back
         cast = self._hand_grads()
-        if cast and not nf.all_finite([p.grad for p in cast]):
+        if cast and not self._nonfinite.all_finite([p.grad for p in cast]):
             for p in cast:  # the fp32 window overflows the param dtype
                 p.grad = None
             self._intake.expose()
@@ -118,11 +112,13 @@ class StepMixin:
         self._scaler.update(found_inf=False)
         self._reset_window()
 
-    def _window_rescaled(self, totals) -> bool:
-        """Whether the window changed after its kernels flagged it: summed over ranks without a
-        divide first (``process_group``), or rescaled by more than 1 (weights below 1)."""
-        summed = totals is not None and not totals.averaged and totals.world > 1
-        return summed or self.config.reduction == "weighted"
+    def _window_norm(self, outside: list[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of what the step hands over (the touched views and the native ``.grad``
+        of params outside the window), as ``clip_grad_norm_`` measures it, and non-finite on
+        every rank if it is on one (the data-parallel room agrees on it)."""
+        touched = self._window.touched
+        views = [v for p, v in zip(self._params, self._intake.views) if id(p) in touched]
+        return self._dp.agree_norm(grad_norm(views + outside))
 
     def _foldable(self) -> bool:
         """A fused inner optimizer (Adam, AdamW, SGD with ``fused=True``) that no GradScaler
@@ -227,11 +223,6 @@ class StepMixin:
             return
         torch._foreach_mul_(list(self._buffer.buffers.values()), w.divisor / target)
         w.divisor = target
-
-    def _clip_norm(self, flats: list[torch.Tensor]) -> torch.Tensor:
-        norms = [torch.linalg.vector_norm(flat) for flat in flats]
-        device = norms[0].device
-        return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
 
     def _first_nonfinite(self) -> str:
         for i, (p, view) in enumerate(zip(self._params, self._intake.views)):
