@@ -200,6 +200,40 @@ def scenario_resume_other_world(world: int, ckpt: str) -> dict:
             "shard_rows": [tuple(g.to_local().shape) for g in window]}
 
 
+def scenario_written_nonfinite(world: int) -> dict:
+    """A NaN written by the user into rank 1's window shard after the last backward of window 1
+    (``p.grad.to_local()[0, 0] = nan``, no kernel sees it): with ``skip_step`` every rank skips
+    that window, with ``raise`` every rank raises; with and without clipping."""
+    from accumkernels import AccumulatingOptimizer
+
+    rank = dist.get_rank()
+    out: dict = {}
+    for policy in ("skip_step", "raise"):
+        for clip in (None, CLIP):
+            model = build((world,))
+            opt = AccumulatingOptimizer(make_inner(model, "adamw"), accumulation_steps=ACCUM,
+                                        model=model, max_grad_norm=clip, nonfinite=policy)
+            params, raised = [], []
+            for w in range(WINDOWS):
+                for i in range(ACCUM):
+                    x, y = micro_batch(rank, w, i)
+                    torch.nn.functional.mse_loss(model(x, use_extra=True).float(), y).backward()
+                if w == 1 and rank == 1:
+                    local = model.l2.weight.grad.to_local()
+                    local.view(-1)[0] = float("nan")
+                try:
+                    opt.step()
+                except FloatingPointError as exc:
+                    raised.append((w, str(exc)))
+                    opt.reset_window()
+                opt.zero_grad()
+                params.append(_params(model))
+            out[f"{policy}_{clip}"] = {"skipped": opt.skipped_steps, "params": params,
+                                       "raised": raised}
+            opt.remove_hooks()
+    return out
+
+
 def scenario_nonfinite(world: int) -> dict:
     """An inf written into one element of rank 1's shard of one param (a hook that runs before
     the wrapper's, in window 1): the only non-finite value is on rank 1, yet every rank must

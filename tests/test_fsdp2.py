@@ -23,7 +23,7 @@ import pytest
 import torch
 from _fsdp2_scenarios import (scenario_memory, scenario_nonfinite, scenario_refusals,
                               scenario_resume, scenario_resume_other_world, scenario_wire_bound,
-                              scenario_wire_pair)
+                              scenario_wire_pair, scenario_written_nonfinite)
 from _fsdp2_workers import ACCUM, CLIP, WINDOWS, run_ranks
 
 pytest.importorskip("torch.distributed.fsdp", reason="torch.distributed is not available")
@@ -40,6 +40,7 @@ TWO_RANKS = {
     "wire": {"fn": scenario_wire_pair},
     "wire_nosync": {"fn": scenario_wire_pair, "nosync": "grad"},
     "nonfinite": {"fn": scenario_nonfinite},
+    "written_nonfinite": {"fn": scenario_written_nonfinite},
     "outside_clear": {"outside_clear": True},
 }
 FOUR_RANKS = {
@@ -229,6 +230,24 @@ def test_nonfinite_on_one_rank_skips_the_step_everywhere(two):
         assert not all(torch.equal(a, b) for a, b in zip(p1, p2)), "window 2 did not step"
     for a, b in zip(two[0]["nonfinite"]["params"][-1], two[1]["nonfinite"]["params"][-1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("clip", ["None", str(CLIP)])
+def test_nonfinite_written_into_one_ranks_shard_is_agreed(two, clip):
+    """A NaN the user writes into rank 1's window shard between the last backward and step():
+    ``skip_step`` skips that window on both ranks (params unchanged by it, the same on both
+    ranks), ``raise`` raises on both; the other windows step."""
+    for rank, results in enumerate(two):
+        r = results["written_nonfinite"][f"skip_step_{clip}"]
+        assert r["skipped"] == 1, f"rank {rank} skipped {r['skipped']} windows"
+        p0, p1, p2 = r["params"]
+        assert all(torch.equal(a, b) for a, b in zip(p0, p1)), f"rank {rank}: window 1 stepped"
+        assert not all(torch.equal(a, b) for a, b in zip(p1, p2)), "window 2 did not step"
+        raised = results["written_nonfinite"][f"raise_{clip}"]["raised"]
+        assert [w for w, _ in raised] == [1], f"rank {rank} raised in windows {raised}"
+    for policy in ("skip_step", "raise"):
+        a, b = (two[k]["written_nonfinite"][f"{policy}_{clip}"]["params"][-1] for k in (0, 1))
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{policy}: the ranks diverged"
 
 
 def test_bf16_exactness_check_in_chunks(monkeypatch):
