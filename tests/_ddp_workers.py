@@ -494,7 +494,57 @@ def scenario_fsdp2(rank: int) -> dict:
     return out
 
 
+def scenario_written_nonfinite(rank: int) -> dict:
+    """A NaN the user writes into rank 1's ``p.grad`` after the window was reduced (DDP's sync
+    backward, or ``process_group`` before ``step()``): every rank must skip that window
+    (``skip_step``) or raise (``raise``), never step apart. Window 1 of 3 is poisoned."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from accumkernels import AccumulatingOptimizer
+
+    out: dict = {}
+    for mode in ("ddp", "process_group"):
+        for policy in ("skip_step", "raise"):
+            model = mlp()
+            inner = torch.optim.AdamW(model.parameters(), lr=LR)
+            if mode == "ddp":
+                net = DDP(model, bucket_cap_mb=DDP_BUCKET_MB)
+                opt = AccumulatingOptimizer(inner, model=net, nonfinite=policy, max_grad_norm=CLIP)
+            else:
+                net = model
+                opt = AccumulatingOptimizer(inner, process_group=dist.group.WORLD,
+                                            nonfinite=policy, max_grad_norm=CLIP)
+            params, raised = [], []
+            for step in range(3):
+                for i in range(ACCUM):
+                    ctx = ddp_ctx(net, i == ACCUM - 1)
+                    x, y = micro_batch(rank, step, i)
+                    with ctx:
+                        loss_fn(net(x), y).backward()
+                if step == 1 and rank == 1:
+                    model[0].weight.grad[0, 0] = float("nan")
+                try:
+                    opt.step()
+                except FloatingPointError:
+                    raised.append(step)
+                    opt.reset_window()
+                opt.zero_grad()
+                params.append(snapshot(model))
+            out[f"{mode}_{policy}"] = {"skipped": opt.skipped_steps, "params": params,
+                                       "raised": raised}
+            opt.remove_hooks()
+    return out
+
+
+def ddp_ctx(net, sync: bool):
+    """DDP's ``no_sync`` on all but the window's last micro-batch (no-op without DDP)."""
+    if sync or not hasattr(net, "no_sync"):
+        return contextlib.nullcontext()
+    return net.no_sync()
+
+
 SCENARIOS = {
+    "written_nonfinite": scenario_written_nonfinite,
     "plain_ddp": scenario_plain_ddp,
     "accelerate": scenario_accelerate,
     "lightning": scenario_lightning,

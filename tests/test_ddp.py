@@ -234,3 +234,21 @@ def test_ddp_options_the_wrapper_cannot_honour_are_refused(tmp_path):
             build(process_group=dist.group.WORLD)  # both would reduce the window
     finally:
         dist.destroy_process_group()
+
+
+def test_nonfinite_written_on_one_rank_is_agreed(tmp_path):
+    """A NaN written into rank 1's ``p.grad`` after the window was reduced (DDP's sync backward,
+    or ``process_group``): both ranks skip that window (``skip_step``: params unchanged by it)
+    or both raise (``raise``); the other windows step and the ranks stay identical."""
+    results = run_ranks(tmp_path, "written_nonfinite", timeout=120)
+    for mode in ("ddp", "process_group"):
+        for rank, result in enumerate(results):
+            r = result[f"{mode}_skip_step"]
+            assert r["skipped"] == 1, f"{mode}, rank {rank}: skipped {r['skipped']}"
+            p0, p1, p2 = r["params"]
+            assert all(torch.equal(a, b) for a, b in zip(p0, p1)), f"{mode}: window 1 stepped"
+            assert not all(torch.equal(a, b) for a, b in zip(p1, p2)), f"{mode}: no step 2"
+            assert result[f"{mode}_raise"]["raised"] == [1], (mode, rank)
+        for policy in ("skip_step", "raise"):
+            a, b = (results[k][f"{mode}_{policy}"]["params"][-1] for k in (0, 1))
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{mode}, {policy}: diverged"
