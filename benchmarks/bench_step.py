@@ -29,27 +29,23 @@ exp_avg_sq: 28 B (the minimum; the foreach path makes several passes, see ``coun
 wrapper's step adds, pass by pass, as its code did when this was written (stepping.py,
 nonfinite.py, masters.py; update ``model_passes`` when the step changes):
 
-* finiteness: 0. The accumulate kernels flag a non-finite result (a non-finite gradient or an
-  overflowed sum) as they write the window; the step reads that flag (one host sync). Only a
-  window summed over ``process_group`` ranks or rescaled by more than 1 (``weighted``) gets a
-  max-abs pass (4);
-* clip norm (``max_grad_norm``): 0. The accumulate kernels write each param's squared norm as
-  they write its view (``norm_sq``); the step sums the slots of the touched params. (A window
-  written from outside the kernels, reduced across ranks or on several devices gets a 2-norm
-  pass instead: read 4, not in these rows);
+* ``measure`` (finiteness and the clip norm, every wrapper row): read 4. The step measures the
+  window as it is at ``step()`` (``get_total_norm`` on the touched views, one read pass), since
+  writes through ``.data``, numpy or the storage change it without a flag or a version bump;
+  a window that overflows fp32 squares is read once more in float64 (not in these rows);
 * ``grad_scale`` (clipping, or ``mean`` when the step learns N, i.e. ``accumulation_steps=None``
   and more than one micro-batch): no pass of its own. The fused inner AdamW divides the
   gradients by its ``grad_scale`` (given 1 / (normalisation * clip coefficient)) in its own pass
   and writes them back: write 4. (A non-fused inner optimizer gets ``_foreach_mul_`` passes
   instead, 8 each: not in these rows.) With ``--declare-n`` the 1/N is fused into accumulation;
   the loss-scale's 1/S always is: 0 at the step;
-* ``resync`` (bf16): on the CPU the weights' fingerprints are compared with those the last
-  copy-back recorded: read b (a weight changed outside the optimizer then gets a compare pass,
-  4 + b: not in these rows). Elsewhere, until a device kernel exists, torch ops per param:
+* ``resync`` (bf16): on the CPU every (master, weight) pair is compared exactly by one native
+  pass: read 4 + b (it writes only the elements a user changed: none in these rows). Elsewhere,
+  until a device kernel exists, torch ops per param:
   ``m.to(bf16)`` 4 + b, ``p.ne(.)`` 2b + 1, ``p.float()`` b + 4, ``where(...)`` 13: 22 + 4b;
 * ``copy_back`` (bf16, and the fair row): read the master, write the param: 4 + b (the
-  wrapper's, on the CPU, a native pass that also fingerprints what it writes; the native
-  passes are outside aten, so ``counted`` does not see them: ``uncounted_passes``).
+  wrapper's, on the CPU, a native pass; the native passes are outside aten, so ``counted``
+  does not see them: ``uncounted_passes``).
 """
 
 from __future__ import annotations
@@ -130,11 +126,12 @@ def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool,
     if spec.kind != "wrapper":
         return passes
     opts = spec.options
+    passes["measure"] = 4 * numel  # finiteness and the clip norm: one read of the window
     normalise = opts.get("reduction") == "mean" and not declare_n and micro_batches > 1
     if normalise or "max_grad_norm" in opts:
         passes["grad_scale"] = 4 * numel  # fused AdamW writes the divided gradient back
     if b < 4:
-        passes["resync"] = b * numel if native_resync else (22 + 4 * b) * numel
+        passes["resync"] = (4 + b) * numel if native_resync else (22 + 4 * b) * numel
         passes["copy_back"] = (4 + b) * numel
     return passes
 

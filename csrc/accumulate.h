@@ -64,11 +64,9 @@ std::string cpu_simd_name();
 // fp32 masters <- bf16/fp16 weights where the weight != the rounded master; returns how many
 // elements were taken (-1: fp16 unsupported on this build). Host memory, contiguous.
 int64_t resync_masters_cpu(float* master, const uint16_t* weight, int64_t n, int dtype);
-// weight = master rounded to dtype (bf16/fp16, as torch's cast); *fingerprint = the words'
-// fingerprint (weight_fingerprint_cpu of the result). false: fp16 unsupported on this build.
-bool copy_back_cpu(const float* master, uint16_t* weight, int64_t n, int dtype,
-                   uint64_t* fingerprint);
-uint64_t weight_fingerprint_cpu(const uint16_t* weight, int64_t n);
+// weight = master rounded to dtype (bf16/fp16, torch's cast bit for bit). false: fp16
+// unsupported on this build (nothing written).
+bool copy_back_cpu(const float* master, uint16_t* weight, int64_t n, int dtype);
 bool cpu_has_openmp();
 
 // CUDA: one launch for the whole list on `stream` (a cudaStream_t) of `device` (< 0: the

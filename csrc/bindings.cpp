@@ -296,35 +296,20 @@ PYBIND11_MODULE(_C, m) {
           throw std::invalid_argument("copy_back_cpu: list lengths differ");
         if (dtype != ak::kBFloat16 && dtype != ak::kFloat16)
           throw std::invalid_argument("copy_back_cpu: weights must be bf16 or fp16");
-        std::vector<uint64_t> prints(masters.size());
+        bool ok = true;
         {
           py::gil_scoped_release no_gil;
-          for (size_t k = 0; k < masters.size(); ++k) {
-            if (!ak::copy_back_cpu(reinterpret_cast<const float*>(masters[k]),
-                                   reinterpret_cast<uint16_t*>(weights[k]), numels[k], dtype,
-                                   &prints[k]))
-              return py::none();
-          }
+          // the first pair refuses if any does (fp16 unsupported): then nothing is written
+          for (size_t k = 0; ok && k < masters.size(); ++k)
+            ok = ak::copy_back_cpu(reinterpret_cast<const float*>(masters[k]),
+                                   reinterpret_cast<uint16_t*>(weights[k]), numels[k], dtype);
         }
-        return py::cast(prints);
+        if (!ok) return py::none();
+        return py::bool_(true);
       },
       py::arg("masters"), py::arg("weights"), py::arg("numels"), py::arg("dtype"),
-      "weights[k] = masters[k] rounded to dtype (contiguous host memory); returns each "
-      "weight's fingerprint, or None if fp16 is unsupported on this build.");
-  m.def(
-      "weight_fingerprints_cpu",
-      [](const std::vector<uint64_t>& weights, const std::vector<int64_t>& numels) {
-        if (weights.size() != numels.size())
-          throw std::invalid_argument("weight_fingerprints_cpu: list lengths differ");
-        std::vector<uint64_t> prints(weights.size());
-        py::gil_scoped_release no_gil;
-        for (size_t k = 0; k < weights.size(); ++k)
-          prints[k] = ak::weight_fingerprint_cpu(reinterpret_cast<const uint16_t*>(weights[k]),
-                                                 numels[k]);
-        return prints;
-      },
-      py::arg("weights"), py::arg("numels"),
-      "The fingerprint of each 16-bit weight (as copy_back_cpu returns it).");
+      "weights[k] = masters[k] rounded to dtype, torch's cast bit for bit (contiguous host "
+      "memory); True, or None (nothing written) if fp16 is unsupported on this build.");
 
   m.def(
       "accumulate_cpu",

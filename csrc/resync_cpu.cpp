@@ -1,7 +1,9 @@
 // Master-weight re-sync on the CPU (issue 20): one pass over each (fp32 master, bf16/fp16
 // weight) pair that takes the weight into the master wherever the weight differs from the
 // master rounded to the weight's dtype (the weight was changed outside the optimizer). It reads
-// 4 + 2 bytes per element, allocates nothing and writes only the elements that differ.
+// 4 + 2 bytes per element, allocates nothing and writes only the elements that differ. It runs
+// on every pair at every step: nothing cached about the weights (a fingerprint, a version
+// counter) may stand in for it, since .data, numpy and storage writes bypass all of them.
 //
 // "Differs" is torch's `weight != master.to(weight.dtype)`: compared as floats (+0 == -0), a
 // NaN on either side differs. Rounding is round-to-nearest-even, as torch's casts.
@@ -102,7 +104,22 @@ __attribute__((target("avx2,fma,f16c"))) int64_t resync_avx2(float* master,
       taken += __builtin_popcount(static_cast<unsigned>(mask));
     }
   }
-  return taken + resync_scalar(master, weight, i, n, kDType);
+  // The tail (< 8 elements) with the same instructions (F16C for fp16: no _Float16 needed).
+  for (; i < n; ++i) {
+    float w, r;
+    if constexpr (kDType == kBFloat16) {
+      w = float_of(static_cast<uint32_t>(weight[i]) << 16);
+      r = round_bf16(master[i]);
+    } else {
+      w = _cvtsh_ss(weight[i]);
+      r = _cvtsh_ss(_cvtss_sh(master[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    if (!(w == r)) {
+      master[i] = w;
+      ++taken;
+    }
+  }
+  return taken;
 }
 
 bool have_avx2() {
@@ -112,34 +129,11 @@ bool have_avx2() {
 }
 #endif
 
-// -- copy-back with a fingerprint -----------------------------------------------------------
-// The copy-back writes weight = master rounded to the weight's dtype and returns a fingerprint of
-// the words it wrote; at the next step the weight's fingerprint is compared with it, reading 2
-// bytes per element instead of the 6 of a full compare (which then runs only where they differ).
-// Fingerprint: two sums mod 2^32 over the weight's 32-bit words y_j = word_j ^ (j * kSpread) of
-// bijective mixes f(y) = (y ^ (y >> s)) * odd (an xorshift and an odd multiply: both invertible,
-// one multiply each, so the check stays at memory speed). Changing one word always changes both
-// sums (f(y') - f(y) != 0); several changes cancel in both only by coincidence (about 2^-64 for
-// unstructured changes).
-
-constexpr uint32_t kSpread = 0x9e3779b9u;
-
-inline uint32_t mix_a(uint32_t y) { return (y ^ (y >> 15)) * 0x85ebca6bu; }
-
-inline uint32_t mix_b(uint32_t y) { return (y ^ (y >> 13)) * 0xc2b2ae35u; }
-
-// Words [from, words) of `w` (n16 16-bit elements: an odd last one is zero-extended).
-inline void fingerprint_scalar(const uint16_t* w, int64_t n16, int64_t from, uint32_t& a,
-                               uint32_t& b) {
-  const int64_t words = (n16 + 1) / 2;
-  for (int64_t j = from; j < words; ++j) {
-    const uint32_t lo = w[2 * j];
-    const uint32_t hi = 2 * j + 1 < n16 ? w[2 * j + 1] : 0u;
-    const uint32_t y = (lo | (hi << 16)) ^ (static_cast<uint32_t>(j) * kSpread);
-    a += mix_a(y);
-    b += mix_b(y);
-  }
-}
+// -- copy-back ---------------------------------------------------------------------------------
+// The copy-back writes weight = master rounded to the weight's dtype, torch's cast bit for bit
+// (reads 4, writes 2 bytes per element). It records nothing about what it wrote: the user may
+// write the weights through .data, numpy or the storage, which no cached picture sees, so the
+// next step compares every (master, weight) pair exactly (resync_masters_cpu).
 
 inline uint16_t to_bits_bf16(float m) {  // torch's float -> bfloat16: nearest even, NaN 0x7fc0
   const uint32_t u = bits_of(m);
@@ -160,24 +154,6 @@ inline uint16_t to_bits(float m, int dtype) {
 }
 
 #if defined(ACCUMKERNELS_RESYNC_X86)
-__attribute__((target("avx2,fma,f16c"))) inline __m256i mix_a8(__m256i y) {
-  return _mm256_mullo_epi32(_mm256_xor_si256(y, _mm256_srli_epi32(y, 15)),
-                            _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
-}
-
-__attribute__((target("avx2,fma,f16c"))) inline __m256i mix_b8(__m256i y) {
-  return _mm256_mullo_epi32(_mm256_xor_si256(y, _mm256_srli_epi32(y, 13)),
-                            _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
-}
-
-__attribute__((target("avx2,fma,f16c"))) inline uint32_t lane_sum(__m256i v) {
-  alignas(32) uint32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
-  uint32_t s = 0;
-  for (uint32_t x : lanes) s += x;
-  return s;
-}
-
 // torch's float -> bfloat16 on 8 lanes (nearest even; NaN -> 0x7fc0), the 16 bits in each lane.
 __attribute__((target("avx2,fma,f16c"))) inline __m256i round_bf16_bits8(__m256i u) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -188,37 +164,10 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i round_bf16_bits8(__m256i
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
 }
 
-// Fingerprint of 8 words (16 elements) at word index j (a vector of j..j+7).
-__attribute__((target("avx2,fma,f16c"))) inline void fingerprint8(__m256i words, __m256i idx,
-                                                                 __m256i& a, __m256i& b) {
-  const __m256i y = _mm256_xor_si256(
-      words, _mm256_mullo_epi32(idx, _mm256_set1_epi32(static_cast<int>(kSpread))));
-  a = _mm256_add_epi32(a, mix_a8(y));
-  b = _mm256_add_epi32(b, mix_b8(y));
-}
-
-__attribute__((target("avx2,fma,f16c"))) uint64_t fingerprint_avx2(const uint16_t* w,
-                                                                  int64_t n16) {
-  __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i eight = _mm256_set1_epi32(8);
-  int64_t i = 0;
-  for (; i + 16 <= n16; i += 16) {
-    fingerprint8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)), idx, a, b);
-    idx = _mm256_add_epi32(idx, eight);
-  }
-  uint32_t sa = lane_sum(a), sb = lane_sum(b);
-  fingerprint_scalar(w, n16, i / 2, sa, sb);
-  return (static_cast<uint64_t>(sa) << 32) | sb;
-}
-
-// weight = master rounded (16 elements a step), fingerprinting the words as they are written.
+// weight = master rounded (16 elements a step).
 template <int kDType>
-__attribute__((target("avx2,fma,f16c"))) uint64_t copy_back_avx2(const float* m, uint16_t* w,
-                                                                int64_t n16) {
-  __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i eight = _mm256_set1_epi32(8);
+__attribute__((target("avx2,fma,f16c"))) void copy_back_avx2(const float* m, uint16_t* w,
+                                                            int64_t n16) {
   int64_t i = 0;
   for (; i + 16 <= n16; i += 16) {
     __m128i lo, hi;
@@ -237,33 +186,25 @@ __attribute__((target("avx2,fma,f16c"))) uint64_t copy_back_avx2(const float* m,
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(w + i), lo);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(w + i + 8), hi);
-    fingerprint8(_mm256_set_m128i(hi, lo), idx, a, b);
-    idx = _mm256_add_epi32(idx, eight);
   }
-  for (int64_t k = i; k < n16; ++k) w[k] = to_bits(m[k], kDType);
-  uint32_t sa = lane_sum(a), sb = lane_sum(b);
-  fingerprint_scalar(w, n16, i / 2, sa, sb);
-  return (static_cast<uint64_t>(sa) << 32) | sb;
+  for (; i < n16; ++i) {  // the tail (< 16 elements); F16C for fp16: no _Float16 needed
+    if constexpr (kDType == kBFloat16)
+      w[i] = to_bits_bf16(m[i]);
+    else
+      w[i] = _cvtss_sh(m[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
 }
 #endif
 
 }  // namespace
 
-uint64_t weight_fingerprint_cpu(const uint16_t* weight, int64_t n) {
-#if defined(ACCUMKERNELS_RESYNC_X86)
-  if (have_avx2()) return fingerprint_avx2(weight, n);
-#endif
-  uint32_t a = 0, b = 0;
-  fingerprint_scalar(weight, n, 0, a, b);
-  return (static_cast<uint64_t>(a) << 32) | b;
-}
-
-bool copy_back_cpu(const float* master, uint16_t* weight, int64_t n, int dtype,
-                   uint64_t* fingerprint) {
+bool copy_back_cpu(const float* master, uint16_t* weight, int64_t n, int dtype) {
 #if defined(ACCUMKERNELS_RESYNC_X86)
   if (have_avx2()) {
-    *fingerprint = dtype == kBFloat16 ? copy_back_avx2<kBFloat16>(master, weight, n)
-                                      : copy_back_avx2<kFloat16>(master, weight, n);
+    if (dtype == kBFloat16)
+      copy_back_avx2<kBFloat16>(master, weight, n);
+    else
+      copy_back_avx2<kFloat16>(master, weight, n);
     return true;
   }
 #endif
@@ -271,7 +212,6 @@ bool copy_back_cpu(const float* master, uint16_t* weight, int64_t n, int dtype,
   if (dtype == kFloat16) return false;
 #endif
   for (int64_t i = 0; i < n; ++i) weight[i] = to_bits(master[i], dtype);
-  *fingerprint = weight_fingerprint_cpu(weight, n);
   return true;
 }
 

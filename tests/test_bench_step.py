@@ -101,15 +101,16 @@ def _spec(name: str) -> bench_step.RowSpec:
     ("adamw_fused", False, 17 * 28),
     ("adamw_foreach", False, 17 * 28),
     ("adamw_fused+copy_back", False, 17 * (28 + 4 + 2)),
-    ("wrapper_fp32_sum", False, 17 * 28),  # finiteness: the kernels' flag, no pass
-    ("wrapper_fp32_dynamic", False, 17 * 28),  # 1/S is fused into accumulation
-    ("wrapper_fp32_clip", False, 17 * (28 + 4)),  # norm from the kernels; g / grad_scale back
-    ("wrapper_fp32_mean", False, 17 * (28 + 4)),  # 1/N in AdamW's grad_scale: g written back
-    ("wrapper_fp32_mean", True, 17 * 28),  # N declared: 1/N fused into accumulation
-    # resync: the weights' fingerprints, read 2 (native CPU pass); copy-back 4+2
-    ("wrapper_bf16_sum", False, 17 * (28 + 2 + 6)),
-    ("wrapper_bf16_clip+mean+dynamic", False, 17 * (28 + 4 + 2 + 6)),
-    ("wrapper_bf16_sum", None, 17 * (28 + 30 + 6)),  # torch ops: to 4+2, ne 5, float 6, where 13
+    # every wrapper row: one read pass of the window for finiteness and the norm (4)
+    ("wrapper_fp32_sum", False, 17 * (28 + 4)),
+    ("wrapper_fp32_dynamic", False, 17 * (28 + 4)),  # 1/S is fused into accumulation
+    ("wrapper_fp32_clip", False, 17 * (28 + 4 + 4)),  # g / grad_scale written back by AdamW
+    ("wrapper_fp32_mean", False, 17 * (28 + 4 + 4)),  # 1/N in AdamW's grad_scale: g back
+    ("wrapper_fp32_mean", True, 17 * (28 + 4)),  # N declared: 1/N fused into accumulation
+    # resync: the exact compare, read master 4 + weight 2 (native CPU pass); copy-back 4+2
+    ("wrapper_bf16_sum", False, 17 * (28 + 4 + 6 + 6)),
+    ("wrapper_bf16_clip+mean+dynamic", False, 17 * (28 + 4 + 4 + 6 + 6)),
+    ("wrapper_bf16_sum", None, 17 * (28 + 4 + 30 + 6)),  # torch ops: to 4+2, ne 5, float 6, where 13
 ])
 def test_byte_model_matches_a_hand_count(name, declare_n, expected):
     shapes = [(3, 4), (5,)]

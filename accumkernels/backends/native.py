@@ -30,8 +30,7 @@ else:
 
 # fp32 masters <- bf16/fp16 weights that differ from the rounded master (optim.masters)
 resync_masters_cpu = getattr(_C, "resync_masters_cpu", None)
-copy_back_cpu = getattr(_C, "copy_back_cpu", None)  # masters -> weights, with fingerprints
-weight_fingerprints_cpu = getattr(_C, "weight_fingerprints_cpu", None)
+copy_back_cpu = getattr(_C, "copy_back_cpu", None)  # masters -> weights (torch's cast)
 
 # dtype -> the extension's source dtype code (exported by _C itself)
 DTYPE_CODES: dict[torch.dtype, int] = {} if _C is None else {

@@ -5,12 +5,13 @@ optimizer's back (``model.load_state_dict`` after wrapping, ``p.data.clamp_()``,
 Such a change is never reverted: before each step, every master whose model weight no longer
 equals the master rounded to the model dtype is re-synced from the model weight.
 
-On the CPU that check costs 2 B per element, not a compare of both (6 B): the copy-back (a
-native pass) fingerprints the weights it writes, the step fingerprints them again, and only a
-weight whose fingerprint changed (or whose storage was replaced) is compared element by
-element. A change of one element always changes the fingerprint; several changes could leave
-it unchanged only by a coincidence of two 32-bit sums (about 2^-64), not a version counter that
-writes through ``.data`` bypass.
+The check is exact, at every step, on every (master, weight) pair: element by element, with
+no cached picture of the weights standing in for it (a fingerprint, a version counter: writes
+through ``.data``, a numpy view or ``untyped_storage()`` bypass the version counter, and a
+fingerprint can be matched by a crafted write). It reads 6 B per element (the master 4, the
+weight 2) and writes only the elements that differ: on the CPU one native pass per dtype, on a
+GPU with Triton one launch per device and dtype, otherwise torch ops per param. A later fused
+master step is to fold that read into the inner optimizer's own pass over the masters.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ class MasterWeights:
         self.enabled = enabled
         self.masters: dict[int, torch.nn.Parameter] = {}
         self.model_params: list[torch.Tensor] = []  # in registration order, those with masters
-        # id(param) -> (fingerprint, data_ptr) of the weight the last native copy-back wrote
-        self.fingerprints: dict[int, tuple[int, int]] = {}
 
     def retarget(self, params: list[torch.Tensor]) -> None:
         """Point the inner optimizer at fp32 copies of the low-precision ``params``; remap state."""
@@ -68,14 +67,13 @@ class MasterWeights:
     def resync_changed(self) -> None:
         """Take the model's weight wherever it differs from the rounded master (changed outside).
 
-        On the CPU a weight whose fingerprint still equals the one the copy-back recorded is
-        unchanged (reading 2 B/element); the others get one native pass that reads the master
-        and the weight and writes only what differs (no temporaries). On a GPU with Triton,
-        one launch per device and dtype does the same compare (6 B/element); otherwise torch
-        ops per param."""
+        Every pair is compared exactly (6 B/element), nothing cached trusted: on the CPU one
+        native pass per dtype that reads the master and the weight and writes only what differs
+        (no temporaries); on a GPU with Triton, one launch per device and dtype does the same;
+        otherwise torch ops per param."""
         rest = self.model_params
         if native.resync_masters_cpu is not None:
-            rest = _resync_native(self._changed_since_copy_back(rest), self.masters)
+            rest = _resync_native(rest, self.masters)
         rest = _resync_triton(rest, self.masters)
         for p in rest:
             m = self.masters[id(p)]
@@ -104,44 +102,13 @@ class MasterWeights:
 
     @torch.no_grad()
     def copy_back(self) -> None:
-        """The model's weights = the masters rounded (torch's cast); on the CPU a native pass
-        that also fingerprints what it wrote (see ``resync_changed``)."""
-        self.fingerprints = {}
+        """The model's weights = the masters rounded (torch's cast); on the CPU a native pass.
+        Nothing about what it wrote is recorded: ``resync_changed`` compares exactly."""
         rest = self.model_params
         if native.copy_back_cpu is not None:
-            rest = self._copy_back_native(rest)
+            rest = _copy_back_native(rest, self.masters)
         if rest:
             torch._foreach_copy_(rest, [self.masters[id(p)] for p in rest])
-
-    def _copy_back_native(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        done: set[int] = set()
-        plain = [p for p in params if _plain_pair(p, self.masters[id(p)], "cpu")]
-        for dtype in LOW_PRECISION:
-            group = [p for p in plain if p.dtype == dtype]
-            if not group:
-                continue
-            prints = native.copy_back_cpu([self.masters[id(p)].data_ptr() for p in group],
-                                          [p.data_ptr() for p in group],
-                                          [p.numel() for p in group], native.DTYPE_CODES[dtype])
-            if prints is None:
-                continue
-            for p, fp in zip(group, prints):
-                self.fingerprints[id(p)] = (fp, p.data_ptr())
-                torch.autograd.graph.increment_version(p)  # written around autograd's counter
-            done.update(id(p) for p in group)
-        return [p for p in params if id(p) not in done]
-
-    def _changed_since_copy_back(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The params whose weight may differ from the rounded master: no fingerprint recorded,
-        the storage replaced, or a fingerprint that no longer matches."""
-        known = [p for p in params if id(p) in self.fingerprints
-                 and self.fingerprints[id(p)][1] == p.data_ptr()]
-        if not known:
-            return params
-        now = native.weight_fingerprints_cpu([p.data_ptr() for p in known],
-                                             [p.numel() for p in known])
-        same = {id(p) for p, fp in zip(known, now) if fp == self.fingerprints[id(p)][0]}
-        return [p for p in params if id(p) not in same]
 
     def state_dict(self) -> list[torch.Tensor]:
         return self.master_list()
@@ -165,6 +132,25 @@ def _plain_pair(p: torch.Tensor, m: torch.Tensor, device_type: str) -> bool:
     of ``device_type``, the weight without a negative bit."""
     return p.device.type == device_type and m.device == p.device and p.is_contiguous() \
         and m.is_contiguous() and not p.is_neg()
+
+
+def _copy_back_native(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
+                      ) -> list[torch.Tensor]:
+    """weight = master rounded for the CPU pairs, one native call per dtype (torch's cast bit
+    for bit); returns the params it could not take (another device, a non-contiguous weight, no
+    fp16 support on this build)."""
+    done: set[int] = set()
+    plain = [p for p in params if _plain_pair(p, masters[id(p)], "cpu")]
+    for dtype in LOW_PRECISION:
+        group = [p for p in plain if p.dtype == dtype]
+        if not group or native.copy_back_cpu(
+                [masters[id(p)].data_ptr() for p in group], [p.data_ptr() for p in group],
+                [p.numel() for p in group], native.DTYPE_CODES[dtype]) is None:
+            continue
+        for p in group:
+            torch.autograd.graph.increment_version(p)  # written around autograd's counter
+        done.update(id(p) for p in group)
+    return [p for p in params if id(p) not in done]
 
 
 def _resync_native(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
