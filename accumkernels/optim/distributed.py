@@ -247,10 +247,14 @@ class DataParallel:
 
     def agree_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The window's norm as the step uses it: every rank holds the whole (reduced) window,
-        so the norm is this rank's, but a non-finite value on any rank (written after the
-        reduction, or into one rank's ``p.grad``) makes it non-finite on every rank: the ranks
-        skip (or raise) together, never step apart."""
-        if self.reducer is None:
+        so the norm is this rank's, but a non-finite value on any rank makes it non-finite on
+        every rank: the ranks skip (or raise) together, never step apart.
+
+        Under DDP the window was reduced in the sync backward and the user may write into one
+        rank's ``p.grad`` before ``step()``: one flag all-reduce. ``process_group`` reduces the
+        window inside ``step()``, just before it is measured: a rank's non-finite value reaches
+        every rank through the sum, so the ranks measure the same window without one."""
+        if self.reducer is None or self.ddp_group is None:
             return norm
         bad = (~torch.isfinite(norm)).double().reshape(1)
         reducer = self.reducer
