@@ -12,6 +12,8 @@ import os
 import torch
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# What the fp32 window holds (float64 params train natively: see optim.outside).
+WINDOW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SRC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -69,3 +71,17 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda":
         return torch.cuda.device(device)
     return contextlib.nullcontext()
+
+
+def positive_weight(weight: object) -> float:
+    """A micro-batch weight (``add_weight``): a number or 1-element tensor, finite and > 0."""
+    if isinstance(weight, torch.Tensor) and weight.numel() != 1:
+        raise TypeError("weight must be a number or a 1-element tensor")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float, torch.Tensor)) \
+            and not hasattr(weight, "__float__"):
+        raise TypeError(f"weight must be a number or a 1-element tensor, got "
+                        f"{type(weight).__name__}")
+    value = float(weight)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"weight must be finite and positive, got {value}")
+    return value

@@ -72,7 +72,8 @@ class WindowReducer:
             self._works[bucket.index] = dist.all_reduce(bucket.flat, group=self.group,
                                                         async_op=True)
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work`` with this reducer's deadline (RuntimeError naming ``what``)."""
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
@@ -88,7 +89,7 @@ class WindowReducer:
             self.reduce_bucket(bucket)
         works, self._works = self._works, {}
         for work in works.values():
-            self._wait(work, "gradient")
+            self.wait(work, "gradient")
         return self.agree(micro_steps, kept, weight, found_inf, touched)
 
     def agree(self, micro_steps: int, kept: int, weight: float, found_inf: torch.Tensor,
@@ -98,7 +99,7 @@ class WindowReducer:
         head = torch.tensor([micro_steps, micro_steps**2, kept, weight], dtype=torch.float64)
         info = torch.cat([head.to(device), found_inf.double().reshape(1),
                           torch.tensor(touched, dtype=torch.float64).to(device)])
-        self._wait(dist.all_reduce(info, group=self.group, async_op=True), "window bookkeeping")
+        self.wait(dist.all_reduce(info, group=self.group, async_op=True), "window bookkeeping")
         values = info.tolist()
         # Every rank ran m micro-batches iff sum(m^2) * world == sum(m)^2 (Cauchy-Schwarz).
         if values[1] * self.world != values[0] ** 2:
@@ -108,13 +109,18 @@ class WindowReducer:
                 f"{values[0]:g} in all; every rank must run the same number before step()")
         return WindowTotals(values, self.world, len(touched))
 
+    @property
+    def started(self) -> bool:
+        """Whether sums of this window's buckets are under way (or done, not yet collected)."""
+        return bool(self._works)
+
     def reopen(self) -> None:
         """A backward arrives after buckets of this window were summed across ranks (a
         micro-batch past N): wait for those sums and turn them into averages, so that the
         final sum in ``finish`` gives sum(window) + sum(new gradients) on every rank."""
         works, self._works = self._works, {}
         for index, work in works.items():
-            self._wait(work, "gradient")
+            self.wait(work, "gradient")
             self.buffer.buckets[index].flat.div_(self.world)
 
     def reset(self) -> None:

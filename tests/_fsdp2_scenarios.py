@@ -31,13 +31,13 @@ def scenario_memory(world: int) -> dict:
         out["ours" if wrap else "native"] = live_bytes()
         if wrap:
             out["window_bytes"] = sum(b.untyped_storage().nbytes()
-                                      for b in opt._buffer.buffers.values())
+                                      for b in opt._parts.window.storage.buffers.values())
             out["local_numel"] = [p.to_local().numel() for p in model.parameters()]
             out["numel"] = sum(p.numel() for p in model.parameters())
             out["grad_storages"] = {p.grad.to_local().untyped_storage().data_ptr()
                                     for p in model.parameters()}
             out["window_storages"] = {b.untyped_storage().data_ptr()
-                                      for b in opt._buffer.buffers.values()}
+                                      for b in opt._parts.window.storage.buffers.values()}
             opt.remove_hooks()
         del model, opt
         gc.collect()

@@ -152,7 +152,7 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
         out["wire"] = {"bytes": comm.bytes_sent, "fallbacks": comm.fp32_fallbacks}
     if wrap:
         out["window_bytes"] = sum(b.untyped_storage().nbytes()
-                                  for b in opt._buffer.buffers.values())
+                                  for b in opt._parts.window.storage.buffers.values())
         out["live_bytes"] = live_bytes()
         opt.remove_hooks()
     else:

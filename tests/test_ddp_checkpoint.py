@@ -79,7 +79,7 @@ def resumed(rank: int, cut: int, source: int | None) -> dict:
     try:
         opt.load_state_dict(objects[0])
     except ValueError as exc:
-        out.update(refused=str(exc), micro_steps=opt.micro_steps, window_empty=opt._window.empty)
+        out.update(refused=str(exc), micro_steps=opt.micro_steps, window_empty=opt._parts.window.empty)
     # the refused rank starts window 1 again (as a user would): same counts, same collectives
     for i in range(0 if "refused" in out else cut, K):
         micro_batch(ddp, opt, rank, 1, i)

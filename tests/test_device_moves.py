@@ -65,14 +65,14 @@ def test_follow_the_move_then_train_like_native(dtype, when):
     ours_model = copy.deepcopy(native_model)
     native = torch.optim.AdamW(native_model.parameters(), lr=1e-2)
     ours = AccumulatingOptimizer(torch.optim.AdamW(ours_model.parameters(), lr=1e-2))
-    old_buffers = dict(ours._buffer.buffers)
+    old_buffers = dict(ours._parts.window.storage.buffers)
     pretend_moved(ours)
     if when == "at_zero_grad":
         ours.zero_grad()  # the wrapper's own call sees the move
-        assert ours._buffer.buffers is not old_buffers
+        assert ours._parts.window.storage.buffers is not old_buffers
     native_losses = train(native_model, native, data, "cpu", 3, 3)
     ours_losses = train(ours_model, ours, data, "cpu", 3, 3)
-    new = ours._buffer.buffers
+    new = ours._parts.window.storage.buffers
     assert all(new[d].data_ptr() != old_buffers[d].data_ptr() for d in new)  # rebuilt
     assert ours.skipped_steps == 0
     if dtype == torch.float32:  # exact accumulation, same adds: bit-identical to native
@@ -119,7 +119,7 @@ def test_cpu_to_cuda_mid_window_like_native(dtype):
             (loss_of(model, batch, "cuda") / 3).backward()
     native.step()
     ours.step()
-    assert all(flat.device.type == "cuda" for flat in ours._buffer.buffers.values())
+    assert all(flat.device.type == "cuda" for flat in ours._parts.window.storage.buffers.values())
     for a, b in zip(ours_model.parameters(), native_model.parameters()):
         assert a.device.type == "cuda"
         if dtype == torch.float32:

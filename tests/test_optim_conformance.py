@@ -497,7 +497,7 @@ def test_refused_at_construction(info, what: str) -> None:
         assert_refused(lambda: wrap(inner, model=model), what)
         opt = wrap(inner)
         assert_refused(lambda: model(torch.randint(0, 10, (4,))).sum().backward(), what)
-        assert opt.micro_steps == 0 and not opt._window.touched
+        assert opt.micro_steps == 0 and opt._parts.window.empty
         opt.remove_hooks()
         for p in model.parameters():
             p.grad = None

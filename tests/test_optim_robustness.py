@@ -153,7 +153,7 @@ def test_dynamic_loss_scale_backs_off_and_grows():
     N = 2
     model = make_model()
     opt = _sgd(model, accumulation_steps=N, loss_scale="dynamic")
-    opt._scaler.growth_interval = 3
+    opt._parts.scaler.growth_interval = 3
     scale0 = opt.loss_scale
     assert scale0 >= 2.0 ** 10
 
@@ -288,7 +288,7 @@ def test_resume_at_every_cut_point_is_exact(config):
         opt = AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
                                     accumulation_steps=N, accumulate_in_backward=cfg["in_backward"],
                                     bucket_size_mb=SMALL_BUCKET, **cfg["kw"])
-        opt._scaler.growth_interval = 1  # the scale changes every good step: its state matters
+        opt._parts.scaler.growth_interval = 1  # the scale changes every good step: its state matters
         return model, opt
 
     def backward(i):

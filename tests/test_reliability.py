@@ -128,7 +128,7 @@ def test_double_then_float_mid_window_keeps_the_window():
     assert_same_params(native, ours, rtol=0)
     for p in ours.parameters():  # the views alias the buffer again
         assert p.main_grad.untyped_storage().data_ptr() == \
-            opt._buffer.buffers[p.device].untyped_storage().data_ptr()
+            opt._parts.window.storage.buffers[p.device].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("change", ["half", "bfloat16", "double"])
@@ -140,11 +140,11 @@ def test_model_cast_after_wrapping_is_refused_with_nothing_changed(change):
     opt.step()
     getattr(ours, change)()
     dtype = next(ours.parameters()).dtype
-    before = [t.clone() for t in opt._buffer.buffers.values()]
+    before = [t.clone() for t in opt._parts.window.storage.buffers.values()]
     with pytest.raises(ValueError, match="when the AccumulatingOptimizer was built"):
         mse(ours, (x.to(dtype), y.to(dtype))).backward()
     assert opt.micro_steps == 1
-    assert all(torch.equal(a, b) for a, b in zip(before, opt._buffer.buffers.values()))
+    assert all(torch.equal(a, b) for a, b in zip(before, opt._parts.window.storage.buffers.values()))
     with pytest.raises(ValueError, match="when the AccumulatingOptimizer was built"):
         opt.step()
 
@@ -264,11 +264,11 @@ def test_refused_backward_leaves_state_unchanged():
     mse(ours, (x, y)).backward()
     opt.step()
     ours.half()  # the user's cast (it rounds params and .grad); the refusal must change nothing
-    before = [t.clone() for t in opt._buffer.buffers.values()] + \
+    before = [t.clone() for t in opt._parts.window.storage.buffers.values()] + \
         [t for p in ours.parameters() for t in (p.detach().clone(), p.grad.clone())]
     with pytest.raises(ValueError):
         mse(ours, (x.half(), y.half())).backward()
-    after = [t.clone() for t in opt._buffer.buffers.values()] + \
+    after = [t.clone() for t in opt._parts.window.storage.buffers.values()] + \
         [t for p in ours.parameters() for t in (p.detach().clone(), p.grad.clone())]
     assert _same(before, after)
     assert opt.micro_steps == 1

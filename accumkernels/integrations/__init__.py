@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import torch
 
 from accumkernels._engines import refuse_foreign_engines
+from accumkernels._torch_private import ddp_comm_hooks
 from accumkernels.optim import AccumulatingOptimizer
 from accumkernels.optim.ddp import ddp_comm_hook
 
@@ -116,9 +117,8 @@ def find_ddp(module: object) -> torch.nn.parallel.DistributedDataParallel | None
 
 
 def _registered_hooks(ddp: torch.nn.parallel.DistributedDataParallel) -> list:
-    # DDP keeps the Python hooks given to register_comm_hook in ``_comm_hooks`` (torch >= 2.0);
-    # a builtin C++ hook is not listed there, and register_comm_hook then raises below.
-    return [hook for hook, _ in getattr(ddp, "_comm_hooks", [])]
+    # a builtin C++ hook is not listed there, and register_comm_hook then raises below
+    return ddp_comm_hooks(ddp)
 
 
 def check_ddp_hook(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:

@@ -33,19 +33,21 @@ VERSION = 3
 OWN_KEY = "accumkernels"
 
 
-def assemble(opt) -> dict:
-    inner = opt.optimizer.state_dict()
+def assemble(parts, intake) -> dict:
+    """The wrapper's state dict from its rooms' pieces (``intake``: what shows the window)."""
+    inner = parts.optimizer.state_dict()
     own = {
         "version": VERSION,
-        "param_shapes": [list(p.shape) for p in opt._params],
-        "master_weights": opt._masters.state_dict(),
-        "loss_scale": opt._scaler.state_dict(),
-        **opt._nonfinite.state_dict(),
+        "param_shapes": [list(p.shape) for p in parts.params],
+        "master_weights": parts.masters.state_dict(),
+        "loss_scale": parts.scaler.state_dict(),
+        **parts.nonfinite.state_dict(),
     }
-    if not opt._window.empty:
-        own["window"] = {**opt._window.state_dict(opt._params),
-                         "main_grad": list(opt._buffer.buffers.values())}
-        local = getattr(opt._dp, "rank_local_window", lambda: None)()
+    window = parts.window
+    if not window.empty:
+        own["window"] = {**window.state_dict(parts.params),
+                         "main_grad": list(window.storage.buffers.values())}
+        local = parts.sync.rank_local_window()
         if local is not None:  # only this rank's part of the window: only this rank may load it
             own["window"]["rank"], own["window"]["world"] = local
             warnings.warn(_RANK_LOCAL_SAVED.format(*local), stacklevel=3)
@@ -60,12 +62,12 @@ _RANK_LOCAL_SAVED = (
     "save_state, the HF Trainer) must checkpoint at a window boundary (after step())")
 
 
-def _check_rank(opt, window: dict) -> None:
+def _check_rank(parts, window: dict) -> None:
     """A rank-local window loads only on the rank (and world size) that saved it."""
     if "rank" not in window:
         return
     saved = (window["rank"], window["world"])
-    here = getattr(opt._dp, "rank_local_window", lambda: None)()
+    here = parts.sync.rank_local_window()
     here = here if here is not None else ((dist.get_rank(), dist.get_world_size())
                                           if dist.is_available() and dist.is_initialized()
                                           else (0, 1))
@@ -78,15 +80,15 @@ def _check_rank(opt, window: dict) -> None:
             "the HF Trainer) must be taken at a window boundary, after step()")
 
 
-def _parse_buffers(opt, saved: object) -> list[torch.Tensor]:
-    mine = list(opt._buffer.buffers.values())
+def _parse_buffers(parts, saved: object) -> list[torch.Tensor]:
+    mine = list(parts.window.storage.buffers.values())
     if not isinstance(saved, (list, tuple)) or len(saved) != len(mine) or any(
             not isinstance(t, torch.Tensor) or t.shape != m.shape for t, m in zip(saved, mine)):
         raise ValueError("load_state_dict: main_grad does not match this optimizer's params")
     return [t.detach().clone() for t in saved]
 
 
-def _parse(opt, sd: object) -> dict:
+def _parse(parts, sd: object) -> dict:
     """The pieces of a v3, v1/v2 or native state dict, checked; and the inner optimizer's."""
     if isinstance(sd, dict) and OWN_KEY in sd:
         own = sd[OWN_KEY]
@@ -114,19 +116,19 @@ def _parse(opt, sd: object) -> dict:
     if missing:
         raise ValueError(f"load_state_dict: the state_dict lacks {missing}")
     shapes = old.get("param_shapes")
-    if shapes is not None and [list(s) for s in shapes] != [list(p.shape) for p in opt._params]:
+    if shapes is not None and [list(s) for s in shapes] != [list(p.shape) for p in parts.params]:
         raise ValueError("load_state_dict: param_shapes does not match this optimizer's params "
                          "(a checkpoint of a different model?)")
     window = old["window"]
     if isinstance(window, dict):
-        _check_rank(opt, window)
+        _check_rank(parts, window)
     return {
         "inner": old["optimizer"],
-        "masters": opt._masters.parse(old["master_weights"]),
-        "buffers": None if window is None else _parse_buffers(opt, old["main_grad"]),
-        "window": None if window is None else Window.parse(window, opt._params),
-        "nonfinite": opt._nonfinite.parse(old),
-        "scaler": opt._scaler.parse(old["loss_scale"]),
+        "masters": parts.masters.parse(old["master_weights"]),
+        "buffers": None if window is None else _parse_buffers(parts, old["main_grad"]),
+        "window": None if window is None else Window.parse(window, parts.params),
+        "nonfinite": parts.nonfinite.parse(old),
+        "scaler": parts.scaler.parse(old["loss_scale"]),
     }
 
 
@@ -153,32 +155,34 @@ def _load_inner(optimizer: torch.optim.Optimizer, saved: dict) -> None:
 
 
 @torch.no_grad()
-def restore(opt, sd: dict) -> None:
-    opt._intake.settle()
-    parsed = _parse(opt, sd)
-    _load_inner(opt.optimizer, parsed["inner"])
+def restore(parts, intake, step, sd: dict) -> None:
+    """Load ``sd`` into the rooms: everything is parsed and the inner optimizer loaded (with a
+    rollback) before any room changes."""
+    intake.settle()
+    parsed = _parse(parts, sd)
+    _load_inner(parts.optimizer, parsed["inner"])
     # Nothing below can fail.
-    opt._intake.pending = {}
-    opt._reset_window()
+    intake.pending = {}
+    step.reset_window()
     if parsed.get("native"):
-        opt._masters.take_from_model()
+        parts.masters.take_from_model()
     else:
-        opt._masters.load(parsed["masters"])
+        parts.masters.load(parsed["masters"])
         if parsed["window"] is not None:
-            for flat, saved in zip(opt._buffer.buffers.values(), parsed["buffers"]):
+            for flat, saved in zip(parts.window.storage.buffers.values(), parsed["buffers"]):
                 flat.copy_(saved)
-            opt._window.load(parsed["window"])
-        opt._nonfinite.load(parsed["nonfinite"])
-        opt._scaler.load(parsed["scaler"])
-    opt._intake.hide_all()
-    opt._intake.expose()
+            parts.window.load(parsed["window"])
+        parts.nonfinite.load(parsed["nonfinite"])
+        parts.scaler.load(parsed["scaler"])
+    intake.hide_all()
+    intake.expose()
 
 
-def native_copy(opt) -> torch.optim.Optimizer:
+def native_copy(parts) -> torch.optim.Optimizer:
     """A shallow copy of the inner optimizer over the model's params (masters mapped back),
     with no tie to the wrapper: what pickling and ``copy.deepcopy`` carry."""
-    inner = opt.optimizer
-    model_of = {id(opt._masters.get(p)): p for p in opt._params if opt._masters.get(p) is not None}
+    inner, masters = parts.optimizer, parts.masters
+    model_of = {id(masters.get(p)): p for p in parts.params if masters.get(p) is not None}
     copy = object.__new__(type(inner))
     copy.__dict__.update({k: v for k, v in inner.__dict__.items()
                           if not k.startswith("_accumkernels")})

@@ -35,6 +35,7 @@ R + mean(g)), so a backward that syncs every micro-batch is as exact as ``no_syn
 import torch
 import torch.distributed as dist
 
+from accumkernels._torch_private import ddp_comm_hooks
 from accumkernels.slot import get_slot
 
 __all__ = ["ddp_comm_hook", "register"]
@@ -60,11 +61,11 @@ def ddp_comm_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
     for p in bucket.parameters():
         slot = get_slot(p)
         owner = slot.owner if slot is not None else None
-        if owner is None or not hasattr(owner, "_dp"):
+        if owner is None or not hasattr(owner, "_sync_for_ddp"):
             native = True
             continue
         owners.setdefault(id(owner), (owner, []))[1].append(p)
-    futures = [owner._dp.ddp_reduce(params, group) for owner, params in owners.values()]
+    futures = [owner._sync_for_ddp(group).reduce(params) for owner, params in owners.values()]
     buffer = bucket.buffer()
     if native:  # DDP's own semantics for the rest: average the bucket (DDP writes it back)
         buffer.div_(dist.get_world_size(group))
@@ -79,8 +80,7 @@ def ddp_comm_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
 
 def register(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
     """Register :func:`ddp_comm_hook` on ``ddp`` (for ``AccumulatingOptimizer(model=ddp)``)."""
-    hooked = getattr(ddp, "_comm_hooks", None) or []  # read only: DDP keeps (hook, state)
-    if any(getattr(h, "__wrapped__", h) is ddp_comm_hook for h, *_ in hooked):
+    if any(getattr(h, "__wrapped__", h) is ddp_comm_hook for h in ddp_comm_hooks(ddp)):
         return  # already ours (an integration registered it): nothing to do
     try:
         ddp.register_comm_hook(ddp.process_group, ddp_comm_hook)

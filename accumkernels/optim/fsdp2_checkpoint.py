@@ -1,4 +1,4 @@
-"""FSDP2 checkpoints through ``torch.distributed.checkpoint`` (issue 22, item 4).
+"""FSDP2 checkpoints through ``torch.distributed.checkpoint``.
 
 The wrapper's state dict is the core's (format 3: the inner optimizer's ``state`` and
 ``param_groups``, the wrapper's own parts under ``"accumkernels"``) with three FSDP2 changes:
@@ -50,29 +50,34 @@ def init_inner_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = g
 
 
-def assemble(opt) -> dict:
-    """The wrapper's state dict, FSDP2 form (see the module docstring)."""
-    init_inner_state(opt.optimizer)
-    sd = checkpoint.assemble(opt)
+OWN_KEY = checkpoint.OWN_KEY
+native_copy = checkpoint.native_copy
+
+
+def assemble(parts, intake) -> dict:
+    """The wrapper's state dict, FSDP2 form (see the module docstring). Collective: every rank
+    calls it."""
+    init_inner_state(parts.optimizer)
+    sd = checkpoint.assemble(parts, intake)
     own = sd[checkpoint.OWN_KEY]
-    window = {**opt._window.state_dict(opt._params)}
-    found, weight = opt._dp.agree_for_checkpoint(opt._nonfinite.found_inf,
-                                                 opt._window.local_weight())
+    window = {**parts.window.state_dict(parts.params)}
+    found, weight = parts.sync.agree_for_checkpoint(parts.nonfinite.found_inf,
+                                                    parts.window.local_weight())
     if window["weights"]:
-        window["weights"], window["dropped"] = [weight / opt._dp.world], []
-    window["main_grad"] = [v.detach() for v in opt._intake.views]
+        window["weights"], window["dropped"] = [weight / parts.sync.world], []
+    window["main_grad"] = [v.detach() for v in intake.views]
     own["window"] = window
     own["found_inf"] = found
     return sd
 
 
-def _flats(opt, saved: object) -> list[torch.Tensor]:
+def _flats(storage, saved: object) -> list[torch.Tensor]:
     """Window shards (DTensors, or local tensors) laid out as this wrapper's flat buffers."""
-    views = opt._buffer.views
+    views = storage.views
     if not isinstance(saved, (list, tuple)) or len(saved) != len(views):
         raise ValueError("load_state_dict: the saved window does not match this optimizer's "
                          "params")
-    flats = {dev: torch.zeros_like(flat) for dev, flat in opt._buffer.buffers.items()}
+    flats = {dev: torch.zeros_like(flat) for dev, flat in storage.buffers.items()}
     for i, (t, view) in enumerate(zip(saved, views)):
         local = t.to_local() if hasattr(t, "to_local") else t
         if not isinstance(local, torch.Tensor) or local.shape != view.shape:
@@ -82,17 +87,17 @@ def _flats(opt, saved: object) -> list[torch.Tensor]:
                 "at another world size: load it with torch.distributed.checkpoint into this "
                 "wrapper's state_dict(), which reshards it)")
         flat = flats[view.device]
-        start = view.storage_offset() - opt._buffer.buffers[view.device].storage_offset()
+        start = view.storage_offset() - storage.buffers[view.device].storage_offset()
         flat[start:start + view.numel()].copy_(local.reshape(-1))
     return list(flats.values())
 
 
 @torch.no_grad()
-def restore(opt, sd: object) -> None:
+def restore(parts, intake, step, sd: object) -> None:
     """Load a state dict written by :func:`assemble` (or any the core accepts)."""
     own = sd.get(checkpoint.OWN_KEY) if isinstance(sd, dict) else None
     window = own.get("window") if isinstance(own, dict) else None
     if isinstance(window, dict) and "main_grad" in window:
-        flats = _flats(opt, window["main_grad"])
+        flats = _flats(parts.window.storage, window["main_grad"])
         sd = {**sd, checkpoint.OWN_KEY: {**own, "window": {**window, "main_grad": flats}}}
-    checkpoint.restore(opt, sd)
+    checkpoint.restore(parts, intake, step, sd)

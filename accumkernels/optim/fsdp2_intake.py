@@ -21,17 +21,16 @@ accumulates the skipped micro-batches itself and the hooks fire once, on the syn
 
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
+from accumkernels._torch_private import compiled_autograd_on, queue_callback
 from accumkernels.ops import accumulate_
-from accumkernels.optim.intake import _EndOfBackward
+from accumkernels.optim.backward import EndOfBackward, remove_handles
 
-_engine = torch.autograd.Variable._execution_engine
 _ALIGN = 32  # elements: every shard view starts on a 128-byte boundary (the kernels' vector path)
 
 
@@ -70,21 +69,17 @@ class ShardedWindow:
         return sum(b.numel() for b in self.buffers.values())
 
 
-def _compiled_autograd_on() -> bool:
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(ca is not None and (getattr(ca, "in_compiled_autograd_region", False)
-                                    or getattr(ca, "compiled_autograd_enabled", False)))
-
-
 class ShardedIntake:
     """Hooks and fused launches for one FSDP2 wrapper (see the module docstring)."""
 
-    def __init__(self, owner, params: list[torch.Tensor], window: ShardedWindow,
-                 groups: list[list[int]], modules: list[torch.nn.Module]):
-        self._owner = weakref.ref(owner)
+    def __init__(self, parts, storage: ShardedWindow, events, groups: list[list[int]],
+                 modules: list[torch.nn.Module]):
+        self.config, self.window, self.nonfinite = parts.config, parts.window, parts.nonfinite
+        self.scaler, self.events = parts.scaler, events
+        params = parts.params
         self.params = params
-        self.window = window
-        self.views = window.shown  # what the core rooms hand to the inner optimizer as .grad
+        self.storage = storage
+        self.views = storage.shown  # what the core rooms hand to the inner optimizer as .grad
         self._group_of = {i: g for g, members in enumerate(groups) for i in members}
         self._group_size = [len(members) for members in groups]
         self.pending: dict = {}  # group index -> [(param index, local grad)]
@@ -98,18 +93,17 @@ class ShardedIntake:
             self.handles.append(module.register_forward_hook(_forward_hook(me)))
         for i, p in enumerate(params):
             self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
-        self._finalizer = weakref.finalize(owner, _remove_handles, self.handles)
 
     def remove(self) -> None:
         """Detach from the model and its params (idempotent)."""
-        self._finalizer()
+        remove_handles(self.handles)
 
     # -- one backward ----------------------------------------------------------------------------
     def begin(self) -> None:
         """Start of a backward through an FSDP module: hide the window, queue the end."""
         if self._active and self._end_ref() is not None:
             return
-        if _compiled_autograd_on():
+        if compiled_autograd_on():
             raise RuntimeError(
                 "AccumulatingOptimizer (FSDP2): compiled autograd is not supported (it traces "
                 "FSDP2's gradient hooks); run the backward eagerly (torch.compile on the model's "
@@ -117,15 +111,15 @@ class ShardedIntake:
         self.settle()
         self.cleared_outside()
         self._active = True
-        end = _EndOfBackward(self, nested=False)
+        end = EndOfBackward(self, nested=False)
         self._end_ref = weakref.ref(end)
-        _engine.queue_callback(end)
+        queue_callback(end)
         self.hide_all()
 
     def settle(self) -> None:
         """Close a backward that raised (its final callback was dropped without running)."""
         if self._active and self._end_ref() is None:
-            self._end_backward()
+            self.end_backward()
 
     def arrived(self, i: int) -> None:
         """FSDP2's hook: p's reduced shard of this backward is in ``p.grad``."""
@@ -134,12 +128,11 @@ class ShardedIntake:
         if grad is None:
             return
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        owner = self._owner()
         if not self._active:
             self.begin()  # a forward that ran before the wrapper was built
             p.grad = grad
-        if local.data_ptr() == self.window.views[i].data_ptr() and local.numel():
-            return self._added_in_place(i, owner)
+        if local.data_ptr() == self.storage.views[i].data_ptr() and local.numel():
+            return self._added_in_place(i)
         group = self._group_of[i]
         for other in [g for g in self.pending if g != group]:
             self._launch(other)  # FSDP2 reduces one group at a time: that one is complete
@@ -148,45 +141,40 @@ class ShardedIntake:
         if len(pend) == self._group_size[group]:
             self._launch(group)
 
-    def _added_in_place(self, i: int, owner) -> None:
+    def _added_in_place(self, i: int) -> None:
         """FSDP2 found the window in ``p.grad`` and added the new shard into it (fp32 add)."""
-        if owner._prescale() != 1.0:
+        if self.window.prescale(self.scaler.scale) != 1.0:
             raise RuntimeError(
                 "AccumulatingOptimizer (FSDP2): a gradient was added into the window without the "
                 "wrapper (the forward ran before the wrapper was built, with a loss scale or "
                 "reduction='mean'); build the wrapper before the first forward")
-        owner._window.touched.add(id(self.params[i]))
+        self.window.touch([self.params[i]])
 
     def _launch(self, group: int) -> None:
         """Move the pending shards of ``group`` into the window, then drop them."""
         pend = self.pending.pop(group, [])
-        owner = self._owner()
-        if owner is None or not pend:
+        if not pend:
             return
-        touched = owner._window.touched
-        views = self.window.views
-        fresh = [(i, g) for i, g in pend if id(self.params[i]) not in touched]
-        again = [(i, g) for i, g in pend if id(self.params[i]) in touched]
-        scale, flag = owner._prescale(), owner._nonfinite.launch_flag()
+        window, views = self.window, self.storage.views
+        fresh = [(i, g) for i, g in pend if window.first_write(self.params[i])]
+        again = [(i, g) for i, g in pend if not window.first_write(self.params[i])]
+        scale, flag = window.prescale(self.scaler.scale), self.nonfinite.launch_flag()
         for _, g in pend:
             if g.is_cuda:  # a later launch (end of backward) runs on another stream than the
                 g.record_stream(torch.cuda.current_stream(g.device))  # reduce-scatter's
         for items, overwrite in ((fresh, True), (again, False)):
             if items:  # the first write of a window overwrites: no zeroing pass
                 accumulate_([views[i] for i, _ in items], [g for _, g in items], scale,
-                            overwrite=overwrite, found_inf=flag, backend=owner.config.backend)
+                            overwrite=overwrite, found_inf=flag, backend=self.config.backend)
         for i, _ in pend:
             self.params[i].grad = None
-            touched.add(id(self.params[i]))
+        window.touch([self.params[i] for i, _ in pend])
 
-    def _end_backward(self) -> None:
+    def end_backward(self) -> None:
         self._active, self._end_ref = False, None
         for group in list(self.pending):
             self._launch(group)
-        owner = self._owner()
-        if owner is None:
-            return
-        owner._microbatch_ended(True)
+        self.events.microbatch_ended(True)
         self.expose()
 
     def flush(self, params: list[torch.Tensor]) -> None:
@@ -196,9 +184,8 @@ class ShardedIntake:
     # -- what p.grad shows ---------------------------------------------------------------------
     def expose(self) -> None:
         """``p.grad`` is p's window shard as a DTensor; None if untouched in this window."""
-        touched = self._owner()._window.touched
         for p, shown in zip(self.params, self.views):
-            if id(p) in touched and p.grad is not shown:
+            if self.window.holds(p) and p.grad is not shown:
                 p.grad = shown
         self._shown = True
 
@@ -210,45 +197,35 @@ class ShardedIntake:
     def cleared_outside(self) -> None:
         """Touched params whose ``.grad`` was cleared from outside (``model.zero_grad()``) since
         the window was shown: the rule of the wrapper's own ``zero_grad()`` applies."""
-        owner = self._owner()
-        if not self._shown or owner is None:
+        if not self._shown:
             return
-        touched = owner._window.touched
-        cleared = [p for p in self.params if p.grad is None and id(p) in touched]
-        if not cleared or owner._keeps_window():
-            return
-        if len(cleared) == len(touched):
-            owner._reset_window()
-        else:
-            touched.difference_update(id(p) for p in cleared)
+        cleared = [p for p in self.params if p.grad is None and self.window.holds(p)]
+        if self.window.cleared(cleared):
+            self.events.window_dropped()
 
     def absorb_assigned(self) -> None:
         """A ``.grad`` the user assigned (not the window) is what p's gradient means now;
         one cleared from outside is dropped on the wrapper's ``zero_grad()`` rule."""
         self.settle()
         self.cleared_outside()
-        owner = self._owner()
         for i, (p, shown) in enumerate(zip(self.params, self.views)):
             g = p.grad
             if g is None or g is shown:
                 continue
             local = g.to_local() if isinstance(g, DTensor) else g
-            if local.shape != self.window.views[i].shape:
+            if local.shape != self.storage.views[i].shape:
                 raise ValueError(f"an assigned .grad of shape {tuple(local.shape)} does not fit "
-                                 f"the local shard {tuple(self.window.views[i].shape)}")
+                                 f"the local shard {tuple(self.storage.views[i].shape)}")
             with torch.no_grad():
-                self.window.views[i].copy_(local)
-            owner._window.touched.add(id(p))
+                self.storage.views[i].copy_(local)
+            self.window.touch([p])
             p.grad = shown
 
     def move_unmoved(self) -> None:
         self.absorb_assigned()
 
-
-def _remove_handles(handles: list) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
+    def take_in(self) -> None:
+        self.absorb_assigned()
 
 
 def _forward_hook(intake_ref):

@@ -1,4 +1,4 @@
-"""Opt-in FSDP2 reduce-scatter with bf16 on the wire and an exact fp32 sum (issue 22, item 2).
+"""Opt-in FSDP2 reduce-scatter with bf16 on the wire and an exact fp32 sum.
 
 With bf16 compute and ``reduce_dtype=torch.float32``, FSDP2 copies each micro-batch's bf16
 gradients into an fp32 reduce-scatter input: every value in it is exactly representable in
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from accumkernels._torch_private import fsdp2_reduce_scatter_base
 from accumkernels.ops import accumulate_
 
 __all__ = ["Bf16WireReduceScatter", "enable_bf16_reduce_scatter"]
 
 
-class Bf16WireReduceScatter(ReduceScatter):
+class Bf16WireReduceScatter(fsdp2_reduce_scatter_base()):
     """FSDP2 ``ReduceScatter``: bf16 all-to-all, fp32 sum; counts what it sends."""
 
     def __init__(self, backend: str = "auto"):

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from accumkernels import backends
+
 
 class Guard:
     """Expected dtype/device/view pointer per param; the checks and what they lead to."""
@@ -94,7 +96,7 @@ class Guard:
                     or view.shape != slot.shape:
                 self._raise_changed(i)
             with torch.no_grad():
-                if intake.is_touched(p):
+                if intake.window.holds(p):
                     slot.copy_(view)
                 view.data = slot
             self.ptrs[i] = view.data_ptr()
@@ -102,32 +104,27 @@ class Guard:
     def cleared_outside(self) -> None:
         """Touched params whose ``.grad`` is None although the wrapper showed their views."""
         intake = self.intake
-        owner = intake._owner()
-        touched = owner._window.touched
-        cleared = [p for p in intake.params if p.grad is None and id(p) in touched]
+        window = intake.window
+        cleared = [p for p in intake.params if p.grad is None and window.holds(p)]
         if not cleared:
             return
-        if owner._keeps_window():
+        if window.keeps_on_clear():
             self.shown = False  # kept, as by opt.zero_grad(); shown again after the backward
             return
-        if len(cleared) == len(touched):
-            owner._reset_window()
-        else:
-            touched.difference_update(id(p) for p in cleared)
+        if window.cleared(cleared):
+            intake.events.window_dropped()
 
     def _name(self, i: int) -> str:
         p = self.intake.params[i]
-        owner = self.intake._owner()
-        names = owner._names if owner is not None else {}
-        return names.get(id(p), f"param {i} (shape {tuple(p.shape)})")
+        return self.intake.names.get(id(p), f"param {i} (shape {tuple(p.shape)})")
 
     def _changed(self, i: int) -> None:
         """Param i's dtype or device is not what it was: follow a pure device move, else raise."""
-        owner = self.intake._owner()
-        dtypes_kept = all(p.dtype is d for p, d in zip(self.intake.params, self.dtypes))
-        if owner is None or not dtypes_kept or owner._dp.active or self.intake.pending:
+        intake = self.intake
+        dtypes_kept = all(p.dtype is d for p, d in zip(intake.params, self.dtypes))
+        if not dtypes_kept or intake.sync.active or intake.pending:
             self._raise_changed(i)
-        follow_move(owner)
+        intake.events.params_moved()
 
     def _raise_changed(self, i: int) -> None:
         p = self.intake.params[i]
@@ -140,28 +137,26 @@ class Guard:
 
 
 @torch.no_grad()
-def follow_move(owner) -> None:
+def follow_move(parts, layout, intake) -> None:
     """The params moved to other devices: rebuild the window on their devices (carrying what it
-    holds), move the master weights and the inner optimizer's state with them."""
-    intake = owner._intake
+    holds), move the master weights and the inner optimizer's state with them; the hooks stay."""
+    window, masters, nonfinite = parts.window, parts.masters, parts.nonfinite
     old_devices = intake.guard.devices
-    if any(d.type == "meta" for d in old_devices) and not owner._window.empty:
-        owner._reset_window()  # a window on meta holds no values to carry
+    if any(d.type == "meta" for d in old_devices) and not window.empty:
+        window.reset()  # a window on meta holds no values to carry
     held = {id(p): view.detach().clone() for p, view in zip(intake.params, intake.views)
-            if intake.is_touched(p)}
-    owner._masters.follow(old_devices, intake.params)
-    _move_state(owner.optimizer, owner._masters, intake.params, old_devices)
-    owner._rebase_buffer()
-    for p, view in zip(owner._intake.params, owner._intake.views):
+            if window.holds(p)}
+    masters.follow(old_devices, intake.params)
+    _move_state(parts.optimizer, masters, intake.params, old_devices)
+    for device in {p.device for p in parts.params}:  # an unusable backend fails here
+        backends.resolve(parts.config.backend, device)
+    window.storage = layout.storage(parts.params, parts.config)
+    intake.rebase(window.storage)
+    for p, view in zip(intake.params, intake.views):
         if id(p) in held:
             view.copy_(held[id(p)])
-    nf = owner._nonfinite
-    device = next(iter(owner._buffer.buffers), nf.found_inf.device)
-    if nf.found_inf.device != device:
-        flag = torch.zeros(1, device=device)
-        if nf.found_inf.device.type != "meta" and device.type != "meta":
-            flag.copy_(nf.found_inf)
-        nf.found_inf = flag
+    device = next(iter(window.storage.buffers), nonfinite.found_inf.device)
+    nonfinite.follow(device)
 
 
 def _move_state(optimizer, masters, params: list, old_devices: list) -> None:

@@ -23,7 +23,7 @@ the gradients it produced ("fully in", as native PyTorch keeps them in ``.grad``
 With ``accumulate_in_backward=False`` the views are hidden the same way, but the new gradients
 stay in ``.grad`` (in the param dtype, summed by autograd over backwards) until
 ``accumulate()`` or ``step()`` moves them (:meth:`Intake.move_unmoved`) and shows the window.
-Hooks hold the intake weakly and are removed when the wrapper is collected.
+Hooks hold the intake weakly; the wrapper removes them when it is collected.
 
 Why a gradient waiting for its bucket is held here and not left in ``.grad``: DDP's hook on a
 param runs after ours and reads ``p.grad``. With ``find_unused_parameters=True`` it marks a param
@@ -42,60 +42,37 @@ import weakref
 
 import torch
 
+from accumkernels._torch_private import queue_callback
 from accumkernels._util import LOW_PRECISION
 from accumkernels.buffer import Bucket, MasterGradBuffer
+from accumkernels.optim.backward import EndOfBackward, remove_handles
 from accumkernels.optim.guard import Guard
 from accumkernels.slot import SlotWrite
 
-_engine = torch.autograd.Variable._execution_engine
 _HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
-
-
-class _EndOfBackward:
-    """The final callback of one backward; holds the intake weakly, runs once more after the
-    other final callbacks (DDP's, FSDP2's), then calls ``intake._end_backward()``. ``nested``:
-    a callback of a backward nested in a running one defers to the outer backward."""
-
-    def __init__(self, intake, nested: bool = True):
-        self.intake = weakref.ref(intake)
-        self.nested = nested
-        self.requeued = False
-
-    def __call__(self) -> None:
-        intake = self.intake()
-        if intake is None:
-            return
-        node = torch._C._current_autograd_node() if self.nested else None
-        if node is not None:  # nested in a running backward: the outer one ends the micro-batch
-            intake._defer_to(node)
-            return
-        if not self.requeued:  # run once more, after the other final callbacks
-            self.requeued = True
-            _engine.queue_callback(self)
-            return
-        intake._end_backward()
-
-
-def _remove_handles(handles: list) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
 
 
 class Intake:
     """Hooks, pending gradients and fused launches for one wrapper (see the module docstring)."""
 
-    def __init__(self, owner, params: list[torch.Tensor], buffer: MasterGradBuffer, *,
-                 move_in_backward: bool, outside: list[torch.Tensor] = ()):
-        self._owner = weakref.ref(owner)
+    def __init__(self, parts, params: list[torch.Tensor], buffer: MasterGradBuffer, events, *,
+                 outside: list[torch.Tensor] = ()):
+        """``parts``: the wrapper's rooms this one works with (config, window, nonfinite,
+        scaler, masters, outside, sync, names); ``events``: where the intake reports upward (a
+        micro-batch ended, the window was dropped, the params moved): the face's seam, which
+        holds the face weakly."""
+        self.config, self.window = parts.config, parts.window
+        self.nonfinite, self.scaler, self.masters = parts.nonfinite, parts.scaler, parts.masters
+        self.outside_room, self.names, self._parts = parts.outside, parts.names, parts
+        self.events = events
         self.params = params
         self.buffer = buffer
         self.views = [buffer.view(p) for p in params]
         self._index = {id(p): i for i, p in enumerate(params)}
         self._bucket_index = [buffer.bucket_of(p).index for p in params]
         self._bucket_len = [len(b.params) for b in buffer.buckets]
-        self._check_each_microbatch = owner.config.nonfinite == "skip_microbatch"
-        self.move_in_backward = move_in_backward
+        self._check_each_microbatch = self.config.nonfinite == "skip_microbatch"
+        self.move_in_backward = self.config.accumulate_in_backward
         # bucket index -> {param index: its gradient of this backward, held until moved}
         self.pending: dict[int, dict[int, torch.Tensor]] = {}
         self._flushed: dict[int, int] = {}  # bucket index -> params moved early (flush)
@@ -115,11 +92,15 @@ class Intake:
             self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
         for p in outside:  # params outside the window (float64, frozen): their backwards count
             self.handles.append(p.register_post_accumulate_grad_hook(_outside_hook(me)))
-        self._finalizer = weakref.finalize(owner, _remove_handles, self.handles)
 
     def remove(self) -> None:
         """Detach from the params (idempotent)."""
-        self._finalizer()
+        remove_handles(self.handles)
+
+    @property
+    def sync(self):
+        """The window's synchronisation (it changes once when DDP is met)."""
+        return self._parts.sync
 
     def rebase(self, buffer: MasterGradBuffer) -> None:
         """Point at a new buffer of the same params (rebuilt after they moved device); the
@@ -136,19 +117,16 @@ class Intake:
     def _begin(self) -> None:
         self.settle()
         if not self._active:
-            owner = self._owner()
-            if owner is not None:
-                owner._check_unfrozen()
+            self.outside_room.check_unfrozen(self.config.nonfinite, self.names)
             self._active, self._got_grad, self._deferred = True, False, False
             if self.guard.shown:  # .grad cleared from outside since the views were shown
                 self.guard.cleared_outside()
                 self.guard.shown = False  # from here on a None .grad is the wrapper's doing
-            end = _EndOfBackward(self)
+            end = EndOfBackward(self)
             self._end_ref = weakref.ref(end)
-            _engine.queue_callback(end)
-            if owner is not None:
-                owner._dp.backward_begins()
-            if owner is not None and owner._dp.ddp_possible():
+            queue_callback(end)
+            self.sync.backward_begins()
+            if self.sync.ddp_possible():
                 # DDP reads p.grad of params this backward gives no gradient too (those its
                 # graph search found unused): none may show the fp32 window (see the docstring),
                 # also before the wrapper learns of DDP at its first sync (hook registered later)
@@ -158,26 +136,22 @@ class Intake:
     def settle(self) -> None:
         """Close a backward that raised (its final callback was dropped without running)."""
         if self._active and not self._deferred and self._end_ref() is None:
-            self._end_backward()
+            self.end_backward()
 
-    def _defer_to(self, node) -> None:
+    def defer_to(self, node) -> None:
         self._deferred = True
 
         def outer_continues(*_):
             self._deferred = False
-            end = _EndOfBackward(self)
+            end = EndOfBackward(self)
             self._end_ref = weakref.ref(end)
-            _engine.queue_callback(end)
+            queue_callback(end)
 
         node.register_hook(outer_continues)
 
     def _starting(self) -> bool:
         """Whether ``_begin`` has anything to do (the hot hooks skip the call otherwise)."""
         return not self._active or (not self._deferred and self._end_ref() is None)
-
-    def is_touched(self, p: torch.Tensor) -> bool:
-        owner = self._owner()
-        return owner is not None and id(p) in owner._window.touched
 
     def before_grad(self, i: int, grad: torch.Tensor) -> None:
         self.guard.before_grad(i, grad)
@@ -210,7 +184,7 @@ class Intake:
         if g is None:  # undefined gradient (a Function returned None, or a fused write)
             return
         if g.requires_grad:  # create_graph: .grad (window + this gradient) keeps its graph
-            self._owner()._window.touched.add(id(p))  # until the next call absorbs it
+            self.window.touch([p])  # until the next call absorbs it
             return
         p.grad = None  # held below until moved (the module docstring says why)
         index = self._bucket_index[i]
@@ -244,42 +218,36 @@ class Intake:
             self._flushed[index] = self._flushed.get(index, 0) + len(take)
             self._launch_held(index, take)
 
-    def _end_backward(self) -> None:
+    def end_backward(self) -> None:
         self._active, self._deferred, self._end_ref = False, False, None
-        owner = self._owner()
         pending, self.pending = self.pending, {}
         self._flushed = {}
-        if owner is None:
-            return
         kept = True
         if pending:
-            if owner._nonfinite.per_microbatch:
-                kept = owner._nonfinite.all_finite(
+            if self.nonfinite.per_microbatch:
+                kept = self.nonfinite.all_finite(
                     [g for pend in pending.values() for g in pend.values()])
             if kept:  # (a dropped micro-batch: its held gradients are released with ``pending``)
                 for index, pend in pending.items():
                     self._launch_held(index, pend)
-        if not self._got_grad:
-            pass
-        elif self.move_in_backward:
-            owner._microbatch_ended(kept)
-        else:
+        if self._got_grad and self.move_in_backward:
+            self.events.microbatch_ended(kept)
+        elif self._got_grad:
             self.unmoved += 1  # counted when moved: the non-finite check sees its gradients
-            if owner.config.accumulation_steps is not None and owner.sync_step:
+            n = self.config.accumulation_steps
+            if n is not None and self.window.micro_steps + self.unmoved >= n:
                 self.move_unmoved()  # the N-th backward: .grad shows the complete window
         if self.move_in_backward:
             self.expose()
 
     def claim(self, p: torch.Tensor) -> SlotWrite:
         """A fused kernel writes p's gradient of this backward straight into the window."""
-        owner = self._owner()
         self._begin()
         self._got_grad = True
-        touched = owner._window.touched
-        overwrite = id(p) not in touched
-        touched.add(id(p))
-        return SlotWrite(self.buffer.view(p), owner._prescale(), overwrite,
-                         owner._nonfinite.launch_flag())
+        overwrite = self.window.first_write(p)
+        self.window.touch([p])
+        return SlotWrite(self.buffer.view(p), self.window.prescale(self.scaler.scale), overwrite,
+                         self.nonfinite.launch_flag())
 
     # -- moving gradients ----------------------------------------------------------------------
     def _launch_held(self, index: int, pend: dict[int, torch.Tensor]) -> None:
@@ -289,21 +257,29 @@ class Intake:
     def launch(self, bucket: Bucket, params: list[torch.Tensor],
                grads: list[torch.Tensor]) -> None:
         """Move ``grads`` of ``params`` (of one bucket) into the window."""
-        owner = self._owner()
-        if owner is None or not params:
+        if not params:
             return
-        touched = owner._window.touched
-        fresh = [k for k, p in enumerate(params) if id(p) not in touched]
-        again = [k for k, p in enumerate(params) if id(p) in touched] \
+        window = self.window
+        fresh = [k for k, p in enumerate(params) if window.first_write(p)]
+        again = [k for k, p in enumerate(params) if not window.first_write(p)] \
             if len(fresh) < len(params) else []
         for group, overwrite in ((fresh, True), (again, False)):
             if group:  # normally all of a bucket is fresh, or none: one launch
                 self.buffer.accumulate([params[k] for k in group], [grads[k] for k in group],
-                                       owner._prescale(), overwrite=overwrite,
-                                       found_inf=owner._nonfinite.launch_flag(),
-                                       backend=owner.config.backend)
-        touched.update(id(p) for p in params)
-        owner._bucket_moved(bucket)
+                                       window.prescale(self.scaler.scale), overwrite=overwrite,
+                                       found_inf=self.nonfinite.launch_flag(),
+                                       backend=self.config.backend)
+        window.touch(params)
+        n = self.config.accumulation_steps
+        self.sync.bucket_moved(bucket, n is not None and window.micro_steps == n - 1)
+
+    def take_in(self) -> None:
+        """Before any decision: close a backward that raised and take in what ``.grad`` holds
+        (assigned gradients; with ``accumulate_in_backward=False`` the unmoved ones)."""
+        if self.move_in_backward:
+            self.absorb_assigned()
+        else:
+            self.move_unmoved()
 
     def move_unmoved(self) -> None:
         """Move every ``.grad`` that is not the param's view (accumulate_in_backward=False)."""
@@ -314,10 +290,9 @@ class Intake:
             g = p.grad
             if g is not None and g is not view:
                 by_bucket.setdefault(self.buffer.bucket_of(p).index, []).append(p)
-        owner = self._owner()
         kept = True
-        if owner._nonfinite.per_microbatch:
-            kept = owner._nonfinite.all_finite(
+        if self.nonfinite.per_microbatch:
+            kept = self.nonfinite.all_finite(
                 [p.grad for params in by_bucket.values() for p in params])
         for index, params in by_bucket.items():
             if kept:
@@ -328,7 +303,7 @@ class Intake:
         if by_bucket and not count:
             count = 1  # gradients set without a backward this wrapper saw: one micro-batch
         for _ in range(count):
-            owner._microbatch_ended(kept)
+            self.events.microbatch_ended(kept)
         self.expose()
 
     def absorb_assigned(self) -> None:
@@ -342,25 +317,18 @@ class Intake:
                 p.grad = view
 
     def _absorb(self, p: torch.Tensor, g: torch.Tensor) -> None:
-        owner = self._owner()
-        view = self.buffer.view(p)
         with torch.no_grad():  # same units as the view it replaced
-            view.copy_(g)
-            # not written by a kernel: flag a non-finite value the way the kernels do (no sync)
-            flag = owner._nonfinite.found_inf
-            flag.masked_fill_((~torch.isfinite(view).all()).to(flag.device), 1.0)
-        owner._window.touched.add(id(p))
+            self.buffer.view(p).copy_(g)
+        self.window.touch([p])
 
     # -- what p.grad shows ---------------------------------------------------------------------
     def expose(self) -> None:
         """Show the window: ``p.grad`` (and its master's) is p's fp32 view; None if untouched."""
-        owner = self._owner()
-        touched = owner._window.touched
         show_lowp = _HAS_GRAD_DTYPE
         for p, view in zip(self.params, self.views):
-            if id(p) not in touched:
+            if not self.window.holds(p):
                 continue
-            master = owner._masters.get(p)
+            master = self.masters.get(p)
             if master is not None and master.grad is not view:
                 master.grad = view
             g = p.grad
@@ -371,11 +339,10 @@ class Intake:
 
     def hide_all(self) -> None:
         """``.grad`` None on every param and master (the window itself is untouched)."""
-        owner = self._owner()
         self.guard.shown = False
         for p in self.params:
             p.grad = None
-            master = owner._masters.get(p)
+            master = self.masters.get(p)
             if master is not None:
                 master.grad = None
 

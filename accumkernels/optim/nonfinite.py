@@ -43,6 +43,15 @@ class NonFinite:
     def reset(self) -> None:
         self.found_inf.zero_()
 
+    def follow(self, device: torch.device) -> None:
+        """The window moved to ``device``: the flag moves with it (from meta: a fresh zero)."""
+        if self.found_inf.device == device:
+            return
+        flag = torch.zeros(1, device=device)
+        if self.found_inf.device.type != "meta" and device.type != "meta":
+            flag.copy_(self.found_inf)
+        self.found_inf = flag
+
     @staticmethod
     def all_finite(grads: list[torch.Tensor]) -> bool:
         if not grads:

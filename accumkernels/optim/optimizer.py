@@ -1,76 +1,71 @@
-"""AccumulatingOptimizer: the face. It composes the rooms and decides when a window ends.
+"""AccumulatingOptimizer: the face. It builds the rooms once and answers the optimizer protocol.
 
-Rooms: ``config`` (arguments), ``window`` (counts and normalisation), ``intake`` (hooks, fused
-launches, what ``p.grad`` shows), ``masters`` (fp32 master weights), ``nonfinite`` (flag and
-policy), ``scaling`` (loss scale), ``distributed`` (ranks). Each owns its piece of the
-checkpoint; this file only assembles them.
+The rooms (each owns its state and its piece of the checkpoint; none holds the face):
+
+* ``config``: every argument, checked once;
+* ``window`` (window.py): counts, weights, which params hold data, the divisor, the cadence;
+* ``intake`` (intake.py, guard.py): hooks, fused launches, what ``p.grad`` shows; it reports
+  upward through one seam (:class:`_Events`: a micro-batch ended, the window was dropped from
+  outside, the params moved);
+* ``step`` (step.py): gather -> decide -> apply -> finish;
+* ``sync`` (sync.py; FSDP2: fsdp2.py): local, ``process_group``, DDP or the FSDP2 mesh;
+* ``masters`` (masters.py), ``nonfinite`` (nonfinite.py), ``scaler`` (scaling.py), ``outside``
+  (outside.py): fp32 master weights, the non-finite policy, loss scaling, params outside the
+  window;
+* the layout (parts.py; fsdp2.py): flat buffer or FSDP2 shards, picked by a factory;
+* ``checkpoint`` (checkpoint.py, fsdp2_checkpoint.py): assembles the rooms' pieces.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
 
-from accumkernels import backends
 from accumkernels._engines import refuse_foreign_engines
-from accumkernels._util import LOW_PRECISION, finite_positive
-from accumkernels.buffer import Bucket, MasterGradBuffer
+from accumkernels._util import LOW_PRECISION, finite_positive, positive_weight
 from accumkernels.checks import check_model
-from accumkernels.optim import checkpoint, protocol
+from accumkernels.optim import protocol
 from accumkernels.optim.config import make_config
-from accumkernels.optim.distributed import DataParallel, refuse_sharded
-from accumkernels.optim.intake import Intake
+from accumkernels.optim.guard import follow_move
+from accumkernels.optim.backward import remove_handles
 from accumkernels.optim.masters import MasterWeights
-from accumkernels.optim.nonfinite import NonFinite
 from accumkernels.optim.outside import OutsideParams
+from accumkernels.optim.parts import (Parts, attach_slots, build_rooms, layout_for, managed,
+                                      resolve_backends)
 from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
 from accumkernels.optim.scaling import LossScaler
-from accumkernels.optim.stepping import StepMixin
-from accumkernels.optim.window import Window
-from accumkernels.slot import SLOT_ATTR
+from accumkernels.optim.step import NO_WEIGHTS
+from accumkernels.optim.sync import ddp_sync_for
 
 __all__ = ["AccumulatingOptimizer"]
 
 _OWNER_ATTR = "_accumkernels_wrapper"
-# Params summed in the fp32 window; float64 params train natively (see optim.outside).
-_WINDOW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class _Slot:
-    """The wrapper's side of the slot protocol (accumkernels.slot); holds its owner weakly."""
+class _Events:
+    """The intake's one seam upward, held by it; holds the face weakly."""
 
-    def __init__(self, owner: AccumulatingOptimizer):
-        self._owner = weakref.ref(owner)
+    def __init__(self, face: AccumulatingOptimizer):
+        self.face = weakref.ref(face)
 
-    @property
-    def owner(self):
-        return self._owner()
+    def microbatch_ended(self, kept: bool) -> None:
+        face = self.face()
+        if face is not None:
+            face._step.microbatch_ended(kept)
 
-    def check_fusable(self) -> None:
-        owner = self._owner()
-        if owner is not None and owner._nonfinite.per_microbatch:
-            raise ValueError("fused gradient writes cannot be undone: nonfinite='skip_microbatch' "
-                             "is not supported with fuse_wgrad_accumulation")
+    def window_dropped(self) -> None:
+        face = self.face()
+        if face is not None:
+            face._step.reset_window()
 
-    def __reduce__(self):  # a pickled or copied param carries a slot with no owner
-        return _dead_slot, ()
-
-    def claim(self, p: torch.Tensor):
-        owner = self._owner()
-        if owner is None:
-            raise RuntimeError("the AccumulatingOptimizer that managed this param is gone")
-        return owner._intake.claim(p)
+    def params_moved(self) -> None:
+        face = self.face()
+        if face is not None:
+            follow_move(face._parts, face._layout, face._intake)
 
 
-def _dead_slot() -> _Slot:
-    slot = _Slot.__new__(_Slot)
-    slot._owner = lambda: None
-    return slot
-
-
-class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
+class AccumulatingOptimizer(torch.optim.Optimizer):
     """Wraps a constructed optimizer; accumulates micro-batch gradients in fp32, then steps it.
 
     It shares ``param_groups`` with the inner optimizer, so LR schedulers and training
@@ -88,7 +83,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         master_weights: ``"auto"`` (True when any param is bf16/fp16), True or False.
         accumulate_in_backward: move gradients with fused launches during backward (True) or
             let autograd keep them in ``.grad`` until ``accumulate()``/``step()`` (False).
-        max_grad_norm: fused global-norm clipping at the step; ``last_grad_norm`` reports it.
+        max_grad_norm: global-norm clipping at the step; ``last_grad_norm`` reports it.
         nonfinite: ``"skip_step"``, ``"skip_microbatch"`` or ``"raise"``.
         loss_scale: None, a float, or ``"dynamic"``; use ``scale_loss(loss)``.
         process_group: all-reduce (average) the fp32 window across ranks once per step.
@@ -96,20 +91,11 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         backend: kernel backend for ``accumulate_`` (``"auto"``, ``"cuda"``, ...).
         model: optional module: names params in errors and runs ``check_model``. A
             ``DistributedDataParallel`` module: DDP reduces the fp32 window (the wrapper
-            registers ``accumkernels.ddp_comm_hook`` on it; see accumkernels.optim.ddp).
+            registers ``accumkernels.ddp_comm_hook`` on it); a ``fully_shard`` root: required
+            for FSDP2 (DTensor params).
         independent_ranks: allow a multi-rank job without ``process_group`` or DDP (ranks
             train apart).
     """
-
-    _takes_dtensors = False  # FSDP2 (issue 22): True in accumkernels.optim.fsdp2's subclass
-
-    def __new__(cls, optimizer=None, *args, **kwargs):
-        # FSDP2 (issue 22): DTensor params get their own room, accumkernels.optim.fsdp2
-        if cls is AccumulatingOptimizer and torch.distributed.is_available():
-            from accumkernels.optim import fsdp2
-            if fsdp2.is_sharded(optimizer):
-                cls = fsdp2.ShardedAccumulatingOptimizer
-        return super().__new__(cls)
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, accumulation_steps=None,
                  reduction="sum", master_weights="auto", accumulate_in_backward=True,
@@ -117,7 +103,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
                  process_group=None, bucket_size_mb=25, backend="auto", model=None,
                  independent_ranks=False):
         check_inner(optimizer, AccumulatingOptimizer, _OWNER_ATTR)
-        self.config = cfg = make_config(
+        config = make_config(
             accumulation_steps=accumulation_steps, reduction=reduction,
             master_weights=master_weights, accumulate_in_backward=accumulate_in_backward,
             max_grad_norm=max_grad_norm, nonfinite=nonfinite, loss_scale=loss_scale,
@@ -125,64 +111,54 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-        params = [p for g in optimizer.param_groups for p in g["params"]
-                  if p.requires_grad and p.dtype in _WINDOW_DTYPES]
+        layout = layout_for(optimizer, model, {
+            "model": model, "process_group": process_group, "nonfinite": nonfinite,
+            "accumulate_in_backward": accumulate_in_backward})
+        params = managed(optimizer)
         refuse_foreign_engines(params, model=model, optimizer=optimizer)  # DeepSpeed, FSDP1
-        if not self._takes_dtensors:  # FSDP2 (issue 22): the fsdp2 room checks its own
-            refuse_sharded(params)  # stray DTensor params: refused before any state is built
+        layout.check(params)  # stray DTensor params: refused before any state is built
         # torch.optim.Optimizer.__init__ would build its own param_groups and patch step() to
         # run hooks on every call; the wrapper shares the inner optimizer's groups and runs the
         # hooks around real steps only (optim.protocol).
         protocol.init_hook_registries(self)
         self._warned_capturable_if_run_uncaptured = True
-        self.optimizer = optimizer
+        self.optimizer, self.config, self._layout = optimizer, config, layout
         self._needs_closure = protocol.needs_closure(optimizer)
-        self._outside = OutsideParams(optimizer)
-        self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         if model is not None:
             check_model(model)
             refuse_sparse_modules(model)
-        self._scaler = LossScaler(cfg.loss_scale)
-        self._window = Window(cfg)
-        self._masters = MasterWeights(optimizer, master_weights == "auto" and any(
+        masters = MasterWeights(optimizer, master_weights == "auto" and any(
             p.dtype in LOW_PRECISION for p in params) or master_weights is True)
-        self.last_grad_norm: torch.Tensor | None = None
-        self._params: list[torch.Tensor] = []
-        self._intake = None
-        self._build(params)
-        self._nonfinite = NonFinite(cfg, next(iter(self._buffer.buffers), torch.device("cpu")))
-        self._dp = DataParallel(self, process_group, independent_ranks=cfg.independent_ranks,
-                                ddp=ddp)
+        self._parts = Parts(config, optimizer, names, masters, None, LossScaler(config.loss_scale),
+                            OutsideParams(optimizer))
+        self._events = _Events(self)
+        self._intake = self._step = None
+        self._build(params, process_group=process_group)
+        if ddp is not None:
+            from accumkernels.optim.ddp import register
+            self._sync_for_ddp(ddp.process_group)
+            register(ddp)
         setattr(optimizer, _OWNER_ATTR, weakref.ref(self))
 
-    def _build(self, params: list[torch.Tensor]) -> None:
-        """(Re)build the buffer, the masters and the hooks for the managed ``params``."""
-        for device in {p.device for p in params}:  # an unusable backend fails here, before
-            backends.resolve(self.config.backend, device)  # anything is touched
+    def _build(self, params: list[torch.Tensor], process_group=None) -> None:
+        """(Re)build the storage, window, sync, intake and step for the managed ``params``."""
+        resolve_backends(self.config, params)
         take_over(params, self)
-        buffer = MasterGradBuffer(params, bucket_size_mb=self.config.bucket_size_mb)
         if self._intake is not None:
             self._intake.hide_all()
             self._intake.remove()
-        self._masters.retarget(params)
-        self._params, self._buffer = params, buffer
-        slot = _Slot(self)
-        for p in params:
-            setattr(p, SLOT_ATTR, slot)
-            p.grad = None
-        self._outside.rebuild({id(p) for p in self._masters.master_list()}
-                              | {id(p) for p in self._params})
-        self._intake = Intake(self, params, buffer,
-                              move_in_backward=self.config.accumulate_in_backward,
-                              outside=[p for p in self._outside.params
-                                       if p.is_leaf and p.requires_grad])
+        self._intake, self._step = build_rooms(self._parts, self._layout, params, self._events,
+                                               process_group)
+        weakref.finalize(self, remove_handles, self._intake.handles)  # hooks go with the wrapper
+        attach_slots(self, self._intake, params, self._parts.nonfinite.per_microbatch)
 
-    def _rebase_buffer(self) -> None:
-        """A new buffer on the params' current devices (they moved); the hooks stay."""
-        for device in {p.device for p in self._params}:
-            backends.resolve(self.config.backend, device)
-        self._buffer = MasterGradBuffer(self._params, bucket_size_mb=self.config.bucket_size_mb)
-        self._intake.rebase(self._buffer)
+    def _sync_for_ddp(self, group):
+        """DDP reduces this window over ``group`` (met at construction or at its first sync)."""
+        parts, face = self._parts, weakref.ref(self)
+        parts.sync = ddp_sync_for(parts.sync, group, self.config, parts.window, parts.params,
+                                  lambda ps: face()._intake.flush(ps), parts.nonfinite.found_inf)
+        return parts.sync
 
     # -- sharing the inner optimizer ----------------------------------------------------------
     param_groups = property(lambda self: self.optimizer.param_groups,
@@ -195,25 +171,10 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
     def __getattr__(self, name):
         """The options (``opt.reduction``, ...), then the inner optimizer's public attributes
         (what frameworks duck-type; ``train()``/``eval()`` of schedule-free optimizers)."""
-        config = self.__dict__.get("config")
-        if config is not None and name in config.__dataclass_fields__:
-            return getattr(config, name)
-        inner = self.__dict__.get("optimizer")
-        if inner is not None and not name.startswith("_") and hasattr(inner, name):
-            value = getattr(inner, name)
-            if name in ("train", "eval") and callable(value):
-                return self._moving_weights(value)
-            return value
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def _moving_weights(self, method):
-        """An inner method that moves the weights it steps (schedule-free ``train``/``eval``):
-        with master weights the model gets the moved masters."""
-        def call(*args, **kwargs):
-            out = method(*args, **kwargs)
-            self._masters.copy_back()
-            return out
-        return call
+        parts = self.__dict__.get("_parts")
+        return protocol.forward_attribute(self, self.__dict__.get("config"),
+                                          self.__dict__.get("optimizer"), name,
+                                          parts.masters.copy_back if parts else None)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; its trainable params join the window.
@@ -222,19 +183,74 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         rebuilt to hold the new params (Lightning's ``BackboneFinetuning`` does this).
         """
         self._intake.settle()
-        if not self._window.empty:
+        if not self._parts.window.empty:
             raise ValueError(
                 "add_param_group: the current window holds gradients; call it between windows "
                 "(after step() or reset_window()), e.g. at the start of an epoch")
         self.optimizer.add_param_group(param_group)
         new = [p for p in self.optimizer.param_groups[-1]["params"] if p.requires_grad]
-        self._build(self._params + new)
+        self._build(self._parts.params + new)
 
-    # -- the window --------------------------------------------------------------------------
+    # -- the step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Run ``closure`` (if any), then end the window if it is due; returns the closure's loss.
+
+        The window ends when ``accumulation_steps`` is None, when N micro-batches are in, or
+        (learned from this wrapper's own calls) when the caller has so far called ``step()``
+        only on complete windows: such a caller (Trainer-style) ends a short last window the
+        same way. A caller that calls ``step()`` before the window is complete (every
+        micro-batch, Accelerate-style) gets no-ops until it is. Step hooks run around real
+        steps only. An inner optimizer that requires a closure (LBFGS) gets it: it evaluates
+        the closure itself, each evaluation filling a fresh window.
+        """
+        args = (self,) if closure is None else (self, closure)
+        if closure is not None and self._needs_closure:
+            return protocol.run_step(self, args, {},
+                                     lambda: self._step.closure_step(closure, self._take_in))
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._maybe_step(force=False, args=args)
+        return loss
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Take the step now, for a short last window (e.g. at the end of an epoch)."""
+        self._maybe_step(force=True, args=(self,))
+
+    def _maybe_step(self, force: bool, args: tuple) -> None:
+        parts = self._parts
+        self._intake.take_in()
+        window = parts.window
+        if window.empty and not parts.outside.with_grad():
+            return
+        if window.micro_steps == 0:  # gradients assigned (or zeroed) without a backward: one
+            self._step.microbatch_ended(True)  # micro-batch, as accumulate_in_backward=False
+        if not parts.sync.active and window.needs_weights(force, self.sync_step):
+            raise ValueError(NO_WEIGHTS)
+        if window.due(force):
+            protocol.run_step(self, args, {}, self._step.run)
+
+    def _take_in(self) -> None:
+        """Take in what a closure's backward left in ``.grad`` (one micro-batch if none was
+        counted)."""
+        self._intake.take_in()
+        window = self._parts.window
+        if not window.empty and window.micro_steps == 0:
+            self._step.microbatch_ended(True)
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """The window's global norm at the last real step (with ``max_grad_norm``)."""
+        return self._step.last_grad_norm
+
+    # -- the window ---------------------------------------------------------------------------
     @property
     def micro_steps(self) -> int:
         """Micro-batches (backwards) in the current window, dropped ones included."""
-        return self._window.micro_steps + self._intake.unmoved
+        return self._parts.window.micro_steps + self._intake.unmoved
 
     @property
     def sync_step(self) -> bool:
@@ -242,97 +258,53 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         n = self.config.accumulation_steps
         return n is None or self.micro_steps >= n
 
-    @property
-    def skipped_steps(self) -> int:
-        return self._nonfinite.skipped_steps
-
-    @property
-    def skipped_microbatches(self) -> int:
-        return self._nonfinite.skipped_microbatches
+    skipped_steps = property(lambda self: self._parts.nonfinite.skipped_steps)
+    skipped_microbatches = property(lambda self: self._parts.nonfinite.skipped_microbatches)
+    loss_scale = property(lambda self: self._parts.scaler.scale)
 
     @property
     def master_params(self) -> list[torch.nn.Parameter]:
         """The fp32 master copies the inner optimizer steps (registration order)."""
-        return self._masters.master_list()
+        return self._parts.masters.master_list()
 
     @property
     def collective_timeout(self) -> float | None:
         """Seconds to wait for peers' all-reduces (process_group) before raising."""
-        return self._dp.reducer.timeout_s if self._dp.active else None
+        sync = self._parts.sync
+        return sync.timeout_s if sync.active else None
 
     @collective_timeout.setter
     def collective_timeout(self, seconds: float) -> None:
-        if not self._dp.active:
+        sync = self._parts.sync
+        if not sync.active:
             raise ValueError("collective_timeout needs process_group")
-        self._dp.reducer.timeout_s = finite_positive("collective_timeout", seconds)
-
-    @property
-    def loss_scale(self) -> float:
-        return self._scaler.scale
+        sync.timeout_s = finite_positive("collective_timeout", seconds)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * S``; the matching 1/S is fused into accumulation."""
-        return self._scaler.scale_loss(loss)
+        return self._parts.scaler.scale_loss(loss)
 
     def add_weight(self, weight: float | torch.Tensor) -> None:
         """Report the weight (e.g. token count) of a micro-batch whose loss is a sum."""
         if self.config.reduction != "weighted":
             raise ValueError(
                 f"add_weight() needs reduction='weighted' (this one is {self.config.reduction!r})")
-        if isinstance(weight, torch.Tensor) and weight.numel() != 1:
-            raise TypeError("weight must be a number or a 1-element tensor")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float, torch.Tensor)) \
-                and not hasattr(weight, "__float__"):
-            raise TypeError(f"weight must be a number or a 1-element tensor, got "
-                            f"{type(weight).__name__}")
-        value = float(weight)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"weight must be finite and positive, got {value}")
-        self._window.weights.append(value)
-        self._dp.weight_added()  # DDP: a weight after the sync's agreement is agreed at step()
-        if self._window.complete and not self._dp.active:
-            self._normalise(self._target_divisor(None))
-
-    def _prescale(self) -> float:
-        """The scale fused into each launch: unscale the loss, and 1/N for 'mean' with known N."""
-        return (1.0 / self._scaler.scale) / self._window.divisor
-
-    def _microbatch_ended(self, kept: bool) -> None:
-        """Intake's report: one backward (micro-batch) finished."""
-        self._window.add_microbatch(kept)
-        if not kept:
-            self._nonfinite.skipped_microbatches += 1
-            self._scaler.update(found_inf=True)
-        if self._dp.end_backward():
-            pass  # DDP synced this backward: the window is averaged, agreed on and normalised
-        elif self._window.complete and not self._dp.active and self._window.kept:
-            self._seal()  # N known and reached: show the window as the step will use it
-
-    def _bucket_moved(self, bucket: Bucket) -> None:
-        n = self.config.accumulation_steps
-        self._dp.bucket_moved(bucket, n is not None and self._window.micro_steps == n - 1)
-
-    def _settle(self) -> None:
-        """Before any decision: close a failed backward, take in what ``.grad`` holds."""
-        if self.config.accumulate_in_backward:
-            self._intake.absorb_assigned()
-        else:
-            self._intake.move_unmoved()
+        value = positive_weight(weight)
+        parts = self._parts
+        parts.window.add_weight(value)
+        parts.sync.weight_added()  # DDP: a weight after the sync's agreement is agreed at step()
+        if parts.window.complete and not parts.sync.active:
+            parts.window.normalise(parts.window.target_divisor())
 
     def accumulate(self) -> None:
         """Move the model's ``.grad`` into the window (``accumulate_in_backward=False``)."""
-        self._settle()
-
-    def _reset_window(self) -> None:
-        self._window.reset()
-        self._nonfinite.reset()
-        self._dp.reset()
+        self._intake.take_in()
 
     def reset_window(self) -> None:
         """Discard the accumulated window; ``p.grad`` becomes None."""
         self._intake.settle()
         self._intake.pending = {}
-        self._reset_window()
+        self._step.reset_window()
         self._intake.hide_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -343,48 +315,44 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
         GradScaler skipped its ``step()``), or any window with ``accumulation_steps=None``, is
         discarded, as native PyTorch drops those gradients.
         """
-        self._settle()
-        w = self._window
-        keep = self._keeps_window()
-        if not keep and not w.empty:
-            self._reset_window()
+        self._intake.take_in()
+        window = self._parts.window
+        keep = window.keeps_on_clear()
+        if not keep and not window.empty:
+            self._step.reset_window()
         if set_to_none:
             self._intake.hide_all()
         elif not keep:  # native: zero grads stay, and the step still acts on those params
-            for p, view in zip(self._params, self._intake.views):
-                if p.grad is view:
-                    view.zero_()
-                    w.touched.add(id(p))
+            intake = self._intake
+            window.zero_held(intake.params, intake.views,
+                             [p.grad is v for p, v in zip(intake.params, intake.views)])
         if not keep:  # outside the window: cleared the native way, on the window's rule
-            self._outside.clear(set_to_none)
-
-    def _keeps_window(self) -> bool:
-        """A clear now keeps the window: N given and the window still filling."""
-        w = self._window
-        return w.micro_steps > 0 and self.config.accumulation_steps is not None \
-            and not w.complete
+            self._parts.outside.clear(set_to_none)
 
     # -- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything needed to resume mid-window exactly (loadable with weights_only=True)."""
-        self._settle()
-        return protocol.state_dict_with_hooks(self, lambda: checkpoint.assemble(self))
+        self._intake.take_in()
+        return protocol.state_dict_with_hooks(
+            self, lambda: self._layout.checkpoint.assemble(self._parts, self._intake))
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a ``state_dict()``; a state that does not fit changes nothing (ValueError)."""
-        protocol.load_with_hooks(self, state_dict, lambda sd: checkpoint.restore(self, sd))
+        protocol.load_with_hooks(self, state_dict, lambda sd: self._layout.checkpoint.restore(
+            self._parts, self._intake, self._step, sd))
 
     def __reduce__(self):
         """``copy.deepcopy`` and pickle: a new wrapper over a copy of the inner optimizer (and,
         as for any torch optimizer, of the params), with the window and masters restored."""
-        if self._dp.active or self._dp.ddp_group is not None:
+        if self._parts.sync.active or self._parts.sync.ddp_group is not None:
             raise TypeError("an AccumulatingOptimizer that reduces across ranks (process_group "
                             "or DDP) cannot be pickled or deep-copied; save its state_dict()")
-        self._settle()
+        self._intake.take_in()
         kwargs = {f: getattr(self.config, f) for f in self.config.__dataclass_fields__}
-        own = checkpoint.assemble(self)[checkpoint.OWN_KEY]
-        return _rebuild, (checkpoint.native_copy(self), kwargs, own)
+        own = self._layout.checkpoint.assemble(self._parts, self._intake)
+        return _rebuild, (self._layout.checkpoint.native_copy(self._parts), kwargs,
+                          own[self._layout.checkpoint.OWN_KEY])
 
     def remove_hooks(self) -> None:
         """Detach from the model's params (the wrapper stops accumulating during backward)."""
@@ -392,6 +360,7 @@ class AccumulatingOptimizer(StepMixin, torch.optim.Optimizer):
 
 
 def _rebuild(inner: torch.optim.Optimizer, kwargs: dict, own: dict) -> AccumulatingOptimizer:
+    from accumkernels.optim.checkpoint import OWN_KEY
     opt = AccumulatingOptimizer(inner, **kwargs)
-    opt.load_state_dict({**inner.state_dict(), checkpoint.OWN_KEY: own})
+    opt.load_state_dict({**inner.state_dict(), OWN_KEY: own})
     return opt

@@ -42,6 +42,22 @@ class OutsideParams:
             self.params = [p for g in groups for p in g["params"] if id(p) not in self._managed]
         return self.params
 
+    def check_unfrozen(self, nonfinite: str, names: dict[int, str]) -> None:
+        """A param outside the window (frozen when it was built, float64, added behind its
+        back) now gets a gradient: it trains natively, its ``.grad`` normalised at the step like
+        the window (DDP averages it natively). A micro-batch cannot be dropped from a native
+        ``.grad``: with ``nonfinite="skip_microbatch"`` this raises, naming the fix."""
+        if nonfinite != "skip_microbatch":
+            return
+        for p in self.refresh():
+            if p.requires_grad:
+                name = names.get(id(p), f"a param of shape {tuple(p.shape)}")
+                raise ValueError(
+                    f"{name} is outside the fp32 window (frozen when the AccumulatingOptimizer "
+                    "was built, float64, or added to param_groups directly) and now has a "
+                    "gradient that nonfinite='skip_microbatch' cannot drop; unfreeze it "
+                    "before wrapping, or pass its params to add_param_group() between windows")
+
     def with_grad(self) -> list[torch.Tensor]:
         return [p for p in self.refresh() if p.grad is not None]
 

@@ -9,7 +9,7 @@ An LR scheduler also patches ``step`` on the optimizer instance it is built on, 
 the optimizer stepped (``_opt_called``; ``_step_count`` in older schedulers) and warn at its
 first ``step()`` otherwise ("Detected call of `lr_scheduler.step()` before
 `optimizer.step()`"). Calling the class's step unwrapped bypasses that instance patch, so every
-real step records it itself (``mark_stepped``) on the inner optimizer and on the wrapper: a
+real step records it itself (``_torch_private.record_scheduler_step``) on the inner optimizer and on the wrapper: a
 scheduler built on either (before wrapping, as the integrations do, or on the wrapper) sees
 the step, as natively. Only the patch found on the instance is read, never global state.
 """
@@ -21,7 +21,8 @@ from collections import OrderedDict
 from itertools import chain
 
 import torch
-from torch.optim import optimizer as _torch_optimizer
+
+from accumkernels._torch_private import global_step_hooks, record_scheduler_step
 
 _HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
@@ -52,7 +53,7 @@ def inner_step(optimizer: torch.optim.Optimizer, closure=None):
     step = getattr(type(optimizer).step, "__wrapped__", None)
     if step is None:  # a step torch did not patch: no hooks of its own
         return optimizer.step(closure) if closure is not None else optimizer.step()
-    mark_stepped(optimizer)  # what a scheduler's patch on the instance (bypassed here) records
+    record_scheduler_step(optimizer)  # what a scheduler's patch on the instance (bypassed here) records
     args: tuple = (optimizer,) if closure is None else (optimizer, closure)
     kwargs: dict = {}
     for hook in optimizer._optimizer_step_pre_hooks.values():
@@ -67,37 +68,33 @@ def run_step(opt, args: tuple, kwargs: dict, fn):
     """Run ``fn()`` (a real step) between the wrapper's step hooks, as torch's patch does."""
     # a scheduler built on the wrapper: a real step counts as a step, whichever way it came
     # (``flush()`` does not go through the instance's ``step``)
-    mark_stepped(opt, at_least=True)
-    for hook in chain(_torch_optimizer._global_optimizer_pre_hooks.values(),
-                      opt._optimizer_step_pre_hooks.values()):
+    record_scheduler_step(opt, at_least=True)
+    global_pre, global_post = global_step_hooks()
+    for hook in chain(global_pre.values(), opt._optimizer_step_pre_hooks.values()):
         args, kwargs = _hook_result(hook(opt, args, kwargs), args, kwargs)
     out = fn()
-    for hook in chain(opt._optimizer_step_post_hooks.values(),
-                      _torch_optimizer._global_optimizer_post_hooks.values()):
+    for hook in chain(opt._optimizer_step_post_hooks.values(), global_post.values()):
         hook(opt, args, kwargs)
     return out
 
 
-def mark_stepped(optimizer, *, at_least: bool = False) -> None:
-    """Record a step the way an LR scheduler's patch of ``optimizer.step`` would have.
-
-    torch's ``LRScheduler`` replaces ``step`` on the instance by a wrapper marked
-    ``_wrapped_by_lr_sched`` that sets ``optimizer._opt_called``; older schedulers (and
-    schedulers built on their pattern) by one marked ``_with_counter`` that increments
-    ``optimizer._step_count``. Nothing is recorded on an optimizer without such a patch.
-    ``at_least``: the patch may already have counted this call (a ``step()`` on the wrapper
-    goes through it): the count becomes at least 1 instead of one more.
-    """
-    patched = getattr(optimizer, "__dict__", {}).get("step")
-    for _ in range(8):  # the patch, and what it wraps (functools.wraps' __wrapped__ chain)
-        if patched is None:
-            return
-        if getattr(patched, "_wrapped_by_lr_sched", False):
-            optimizer._opt_called = True
-        if getattr(patched, "_with_counter", False):
-            count = getattr(optimizer, "_step_count", 0)
-            optimizer._step_count = max(count, 1) if at_least else count + 1
-        patched = getattr(patched, "__wrapped__", None)
+def forward_attribute(opt, config, inner, name: str, copy_back):
+    """An attribute the wrapper does not define: an option of ``config``, else a public
+    attribute of the ``inner`` optimizer (what frameworks duck-type). A ``train()``/``eval()``
+    that moves the weights it steps (schedule-free optimizers) then runs ``copy_back()``, so
+    the model gets the moved master weights."""
+    if config is not None and name in config.__dataclass_fields__:
+        return getattr(config, name)
+    if inner is not None and not name.startswith("_") and hasattr(inner, name):
+        value = getattr(inner, name)
+        if name in ("train", "eval") and callable(value) and copy_back is not None:
+            def call(*args, **kwargs):
+                out = value(*args, **kwargs)
+                copy_back()
+                return out
+            return call
+        return value
+    raise AttributeError(f"{type(opt).__name__!r} object has no attribute {name!r}")
 
 
 def _hook_result(result, args, kwargs):

@@ -1,9 +1,13 @@
-"""The accumulation window: what has been summed since the last real step.
+"""The accumulation window: what has been summed since the last real step, and what it means.
 
-It owns its counters, its reset and its piece of the checkpoint; nothing else lists them.
+The window is the only writer of its bookkeeping (counts, weights, which params it holds, the
+divisor its storage is scaled by) and of the storage's scale: every other room asks it through
+the methods below, so a rule about the window lives in one place.
 """
 
 from __future__ import annotations
+
+import torch
 
 from accumkernels.optim.config import Config
 
@@ -11,46 +15,73 @@ _KEYS = ("micro_steps", "kept", "touched", "weights", "dropped", "divisor", "bou
 
 
 class Window:
-    """Counts and normalisation of the current window.
+    """Counts, normalisation and cadence of the current window over its fp32 ``storage``.
 
     * ``micro_steps``: micro-batches in the window (dropped ones included);
     * ``kept``: those whose gradients were kept (``nonfinite="skip_microbatch"`` drops some);
-    * ``touched``: ``id()`` of the params whose fp32 view holds data of this window. The first
-      write of a window overwrites a view (no zeroing pass), so only these views are valid;
+    * touched params (:meth:`touch`, :meth:`holds`): those whose fp32 view holds data of this
+      window. The first write of a window overwrites a view (no zeroing pass), so only these
+      views are valid;
     * ``weights``: what ``add_weight`` reported, in order; ``dropped``: indices of dropped
       micro-batches (their weights do not count);
-    * ``divisor``: the buffer holds ``sum(g) / divisor`` (1/N is fused up front for
+    * ``divisor``: the storage holds ``sum(g) / divisor`` (1/N is fused up front for
       ``reduction="mean"`` with a known N);
     * ``boundary_only``: learned from the ``step()`` calls the wrapper receives, kept across
       windows: None until the first ``step()`` on a non-empty window; True if that one came
       on a complete window (Trainer-style caller: it also ends a short last window with
       ``step()``); False for good once a ``step()`` comes on an incomplete window without
       ending it (the caller steps every micro-batch).
+
+    ``storage`` is a MasterGradBuffer (flat fp32 buffers, one per device) or the FSDP2 room's
+    sharded window: anything with ``buffers`` (device -> flat fp32 tensor) and ``view(p)``.
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, storage):
         self._n = config.accumulation_steps
         self._mean = config.reduction == "mean"
+        self._reduction = config.reduction
+        self.storage = storage
         self.boundary_only: bool | None = None
         self.reset()
 
     def reset(self) -> None:
         self.micro_steps = 0
         self.kept = 0
-        self.touched: set[int] = set()
+        self._touched: set[int] = set()
         self.weights: list[float] = []
         self.dropped: set[int] = set()
         self.divisor = float(self._n) if (self._mean and self._n) else 1.0
 
+    # -- what it holds ---------------------------------------------------------------------------
     @property
     def empty(self) -> bool:
-        return self.micro_steps == 0 and not self.touched
+        return self.micro_steps == 0 and not self._touched
 
     @property
     def complete(self) -> bool:
         """N micro-batches (or more) are in the window."""
         return self._n is not None and self.micro_steps >= self._n
 
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether p's view holds data of this window."""
+        return id(p) in self._touched
+
+    def held(self, params: list[torch.Tensor]) -> list[bool]:
+        return [id(p) in self._touched for p in params]
+
+    def touch(self, params) -> None:
+        """These params' views now hold data of this window."""
+        self._touched.update(id(p) for p in params)
+
+    def keep_only(self, params: list[torch.Tensor], keep: list[bool]) -> None:
+        """The params that hold data after a reduction over ranks (some rank had a gradient)."""
+        self._touched = {id(p) for p, k in zip(params, keep) if k}
+
+    def first_write(self, p: torch.Tensor) -> bool:
+        """Whether a write of p's gradient now overwrites its view (its first of the window)."""
+        return id(p) not in self._touched
+
+    # -- micro-batches and weights ---------------------------------------------------------------
     def add_microbatch(self, kept: bool) -> None:
         if kept:
             self.kept += 1
@@ -58,15 +89,99 @@ class Window:
             self.dropped.add(self.micro_steps)
         self.micro_steps += 1
 
+    def add_weight(self, value: float) -> None:
+        self.weights.append(value)
+
     def local_weight(self) -> float:
         return sum(w for i, w in enumerate(self.weights) if i not in self.dropped)
 
-    # -- checkpoint ----------------------------------------------------------------------------
+    def prescale(self, loss_scale: float) -> float:
+        """The scale fused into each launch: unscale the loss, 1/N for 'mean' with known N."""
+        return (1.0 / loss_scale) / self.divisor
+
+    def keeps_on_clear(self) -> bool:
+        """A clear now keeps the window: N given and the window still filling."""
+        return self.micro_steps > 0 and self._n is not None and not self.complete
+
+    def cleared(self, cleared: list[torch.Tensor]) -> bool:
+        """Params whose ``.grad`` was cleared from outside, on the rule of ``zero_grad()``: a
+        window still filling keeps them; otherwise their gradients leave the window. Returns
+        True when the whole window went (the caller resets the rest of its state)."""
+        cleared = [p for p in cleared if id(p) in self._touched]
+        if not cleared or self.keeps_on_clear():
+            return False
+        if len(cleared) == len(self._touched):
+            return True
+        self._touched.difference_update(id(p) for p in cleared)
+        return False
+
+    # -- the cadence -----------------------------------------------------------------------------
+    def due(self, force: bool) -> bool:
+        """Whether a ``step()`` now ends the window (learning the caller's cadence)."""
+        if force or self._n is None or self.complete:
+            if self.complete and self.boundary_only is None:
+                self.boundary_only = True  # its first step() came on a complete window
+            return True
+        if self.boundary_only is True:
+            return True  # a Trainer-style caller ends a short last window with step()
+        self.boundary_only = False  # this caller steps before windows are complete
+        return False
+
+    def needs_weights(self, force: bool, sync_step: bool) -> bool:
+        """``reduction="weighted"`` at a step with kept micro-batches but no weight reported."""
+        return self._reduction == "weighted" and bool(self.kept) and self.local_weight() <= 0 \
+            and (force or sync_step or bool(self.boundary_only))
+
+    # -- the storage's scale ---------------------------------------------------------------------
+    def target_divisor(self, totals=None) -> float | None:
+        """What the gradient sum is divided by (over all ranks when ``totals`` is given);
+        None for ``weighted`` without a positive weight."""
+        if self._reduction == "sum":  # data parallel: the average over ranks, like DDP
+            target = float(totals.world) if totals else 1.0
+        elif self._reduction == "mean":
+            target = float(totals.kept if totals else self.kept)
+        else:
+            target = totals.weight if totals else self.local_weight()
+            if not target > 0:
+                return None
+        if totals is not None and totals.averaged:  # DDP averaged (not summed) the window
+            target /= totals.world
+        return target
+
+    def normalise(self, target: float | None) -> None:
+        """Rescale the storage so it holds ``sum(g) / target``."""
+        if target is None or target == self.divisor:
+            return
+        torch._foreach_mul_(list(self.storage.buffers.values()), self.divisor / target)
+        self.divisor = target
+
+    def zero_untouched(self, params: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        """Views without data of this window hold an earlier one's: zero them, so norms,
+        reductions and ``p.main_grad`` see 0 (the first write of a window skips this pass)."""
+        stale = [v for p, v in zip(params, views) if id(p) not in self._touched]
+        if stale:
+            torch._foreach_zero_(stale)
+
+    def seal(self, params: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        """The window is complete (N known): zero what it did not touch, normalise it."""
+        self.zero_untouched(params, views)
+        self.normalise(self.target_divisor())
+
+    def zero_held(self, params: list[torch.Tensor], views: list[torch.Tensor],
+                  shown: list[bool]) -> None:
+        """``zero_grad(set_to_none=False)`` discarding the window: shown views become zeros
+        that the next step still acts on, as native zero grads are."""
+        for p, view, is_shown in zip(params, views, shown):
+            if is_shown:
+                view.zero_()
+                self._touched.add(id(p))
+
+    # -- checkpoint ------------------------------------------------------------------------------
     def state_dict(self, params: list) -> dict:
         return {
             "micro_steps": self.micro_steps,
             "kept": self.kept,
-            "touched": [i for i, p in enumerate(params) if id(p) in self.touched],
+            "touched": [i for i, p in enumerate(params) if id(p) in self._touched],
             "weights": list(self.weights),
             "dropped": sorted(self.dropped),
             "divisor": self.divisor,
@@ -97,7 +212,7 @@ class Window:
             raise ValueError("load_state_dict: the saved window names params this optimizer lacks")
         if not 0 <= parsed["kept"] <= parsed["micro_steps"] or not parsed["divisor"] > 0:
             raise ValueError("load_state_dict: inconsistent window counts")
-        parsed["touched"] = {id(params[i]) for i in touched}
+        parsed["_touched"] = {id(params[i]) for i in touched}
         return parsed
 
     def load(self, parsed: dict) -> None:

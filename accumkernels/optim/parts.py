@@ -1,0 +1,152 @@
+"""The wrapper's rooms, built once, and the layout policy that picks the flat or FSDP2 variants.
+
+``Parts`` holds the rooms that live as long as the wrapper (config, inner optimizer, names,
+masters, non-finite policy, loss scale, outside params) and those rebuilt with the managed
+params (params, window, sync). A layout policy builds what differs between a flat fp32 buffer
+and FSDP2's sharded window: the storage, the intake, the synchronisation, the norm, the
+checkpoint. :func:`layout_for` picks it (FSDP2 when the inner optimizer holds DTensor params),
+so the face never subclasses or swaps its class.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from accumkernels import backends
+from accumkernels._util import WINDOW_DTYPES
+from accumkernels.buffer import MasterGradBuffer
+from accumkernels.optim import checkpoint
+from accumkernels.optim.fsdp2_recipe import is_sharded, refuse_sharded
+from accumkernels.optim.intake import Intake
+from accumkernels.optim.nonfinite import NonFinite
+from accumkernels.optim.step import Step, flat_norm
+from accumkernels.optim.sync import make_sync
+from accumkernels.optim.window import Window
+from accumkernels.slot import SLOT_ATTR
+
+
+@dataclass
+class Parts:
+    """The rooms a wrapper is made of (see the face's docstring for the map)."""
+
+    config: object
+    optimizer: torch.optim.Optimizer
+    names: dict[int, str]
+    masters: object
+    nonfinite: object
+    scaler: object
+    outside: object
+    params: list[torch.Tensor] = field(default_factory=list)
+    window: object = None
+    sync: object = None
+
+
+def managed(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The params the fp32 window holds: trainable, fp32/bf16/fp16 (float64 trains natively)."""
+    return [p for g in optimizer.param_groups for p in g["params"]
+            if p.requires_grad and p.dtype in WINDOW_DTYPES]
+
+
+def resolve_backends(config, params: list[torch.Tensor]) -> None:
+    """An unusable backend fails here, before anything is touched."""
+    for device in {p.device for p in params}:
+        backends.resolve(config.backend, device)
+
+
+class FlatLayout:
+    """One contiguous fp32 buffer per device (MasterGradBuffer), the core intake, local,
+    ``process_group`` or DDP synchronisation, the norm as ``clip_grad_norm_`` measures it."""
+
+    can_fold = True
+    measure = staticmethod(flat_norm)
+    checkpoint = checkpoint
+
+    def check(self, params: list[torch.Tensor]) -> None:
+        refuse_sharded(params)
+
+    def storage(self, params: list[torch.Tensor], config) -> MasterGradBuffer:
+        return MasterGradBuffer(params, bucket_size_mb=config.bucket_size_mb)
+
+    def show(self, params: list[torch.Tensor], storage) -> None:
+        for p in params:
+            p.grad = None
+
+    def intake(self, parts: Parts, storage, events, outside: list[torch.Tensor]) -> Intake:
+        return Intake(parts, parts.params, storage, events, outside=outside)
+
+    def sync(self, config, process_group, ddp, window, params):
+        return make_sync(config, process_group, ddp, window, params)
+
+
+def layout_for(optimizer, model, kwargs: dict):
+    """FSDP2's layout when the inner optimizer holds DTensor params, else the flat one."""
+    if is_sharded(optimizer):
+        from accumkernels.optim.fsdp2 import ShardedLayout  # imports FSDP2's modules
+        return ShardedLayout(managed(optimizer), model, kwargs)
+    return FlatLayout()
+
+
+def build_rooms(parts: Parts, layout, params: list[torch.Tensor], events, process_group=None):
+    """(Re)build the storage, window, sync, intake and step for the managed ``params``; returns
+    the intake and the step. A rebuild (``add_param_group``, between windows) keeps the window's
+    bookkeeping (the caller's cadence) and the sync (rebound to the new storage)."""
+    config = parts.config
+    storage = layout.storage(params, config)
+    parts.masters.retarget(params)
+    parts.params = params
+    if parts.window is None:
+        parts.window = Window(config, storage)
+        parts.nonfinite = NonFinite(config, next(iter(storage.buffers), torch.device("cpu")))
+        parts.sync = layout.sync(config, process_group, None, parts.window, params)
+    else:
+        parts.window.storage = storage
+        parts.sync.rebind(parts.window, params)
+    layout.show(params, storage)
+    parts.outside.rebuild({id(p) for p in parts.masters.master_list()} | {id(p) for p in params})
+    intake = layout.intake(parts, storage, events,
+                           [p for p in parts.outside.params if p.is_leaf and p.requires_grad])
+    return intake, Step(parts, intake, measure=layout.measure, can_fold=layout.can_fold)
+
+
+class Slot:
+    """The wrapper's side of the slot protocol (accumkernels.slot); holds its owner weakly."""
+
+    def __init__(self, owner, intake: Intake, per_microbatch: bool):
+        self._owner = weakref.ref(owner)
+        self._intake = weakref.ref(intake)
+        self._per_microbatch = per_microbatch
+
+    @property
+    def owner(self):
+        return self._owner()
+
+    def check_fusable(self) -> None:
+        if self._owner() is not None and self._per_microbatch:
+            raise ValueError("fused gradient writes cannot be undone: nonfinite='skip_microbatch' "
+                             "is not supported with fuse_wgrad_accumulation")
+
+    def __reduce__(self):  # a pickled or copied param carries a slot with no owner
+        return _dead_slot, ()
+
+    def claim(self, p: torch.Tensor):
+        intake = self._intake() if self._owner() is not None else None
+        if intake is None:
+            raise RuntimeError("the AccumulatingOptimizer that managed this param is gone")
+        return intake.claim(p)
+
+
+def _dead_slot() -> Slot:
+    slot = Slot.__new__(Slot)
+    slot._owner = slot._intake = lambda: None
+    slot._per_microbatch = False
+    return slot
+
+
+def attach_slots(owner, intake: Intake, params: list[torch.Tensor], per_microbatch: bool):
+    """Every managed param carries the slot fused weight-gradient kernels write through."""
+    slot = Slot(owner, intake, per_microbatch)
+    for p in params:
+        setattr(p, SLOT_ATTR, slot)

@@ -1,0 +1,248 @@
+"""The step: what a real optimizer step does, in named phases.
+
+``gather`` (the window reduced and agreed on across ranks, stale views zeroed) -> ``decide``
+(normalisation target; finiteness and the clip norm measured from the window as it is now) ->
+``apply`` (normalise or fold, clip, hand the window to the inner optimizer, re-sync the masters,
+step, copy back) -> ``finish`` (reset the window). Each phase returns what the next needs.
+
+The step decides from the window itself: writes through ``.data``, numpy or the storage change
+it without a flag or a version bump, so no cached picture of it stands in (one read pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from accumkernels._torch_private import takes_grad_scale
+from accumkernels._util import LOW_PRECISION
+from accumkernels.optim import protocol
+from accumkernels.optim.nonfinite import grad_norm
+
+NO_WEIGHTS = "reduction='weighted' needs add_weight() for the window's micro-batches"
+
+
+@dataclass
+class Decision:
+    """What ``decide`` found: the target divisor, the factor still to apply (folded into a fused
+    inner optimizer's ``grad_scale``, else already applied: 1.0), the clip norm of the
+    normalised window (None without ``max_grad_norm``) and the native grads outside it."""
+
+    target: float
+    factor: float
+    fold: bool
+    norm: torch.Tensor | None
+    outside: list[torch.Tensor]
+
+
+def flat_norm(sync, views: list[torch.Tensor], outside: list[torch.Tensor]) -> torch.Tensor:
+    """The window's norm as ``clip_grad_norm_`` measures it, agreed over the ranks."""
+    return sync.agree_norm(grad_norm(views + outside))
+
+
+class Step:
+    """A real step over the wrapper's rooms (``parts``) and the intake that fills the window.
+
+    ``measure(sync, views, outside)``: the norm of the window (non-finite on every rank if on
+    one): :func:`flat_norm`, or the FSDP2 room's mesh norm. ``can_fold``: whether the
+    normalisation may go into a fused inner optimizer's ``grad_scale``.
+    """
+
+    def __init__(self, parts, intake, *, measure=flat_norm, can_fold: bool = True):
+        self.config, self.optimizer, self.params = parts.config, parts.optimizer, parts.params
+        self.window, self.nonfinite, self.scaler = parts.window, parts.nonfinite, parts.scaler
+        self.masters, self.outside, self.names = parts.masters, parts.outside, parts.names
+        self._parts = parts
+        self.intake = intake
+        self.measure, self.can_fold = measure, can_fold
+        self.last_grad_norm: torch.Tensor | None = None
+
+    def microbatch_ended(self, kept: bool) -> None:
+        """One backward (micro-batch) finished: count it; show the window as the step will
+        use it once it is complete (N known), or as DDP's sync left it."""
+        window = self.window
+        window.add_microbatch(kept)
+        if not kept:
+            self.nonfinite.skipped_microbatches += 1
+            self.scaler.update(found_inf=True)
+        if self.sync.end_backward():
+            pass  # DDP synced this backward: the window is averaged, agreed on and normalised
+        elif window.complete and not self.sync.active and window.kept:
+            window.seal(self.params, self.intake.views)
+
+    @property
+    def sync(self):
+        """The window's synchronisation (it changes once when DDP is met)."""
+        return self._parts.sync
+
+    def reset_window(self) -> None:
+        """A new window: counts, the kernels' flag and the ranks' reduction state."""
+        self.window.reset()
+        self.nonfinite.reset()
+        self.sync.reset()
+
+    # -- the phases ------------------------------------------------------------------------------
+    def run(self) -> None:
+        totals = self.gather()
+        kept = totals.kept if totals is not None else self.window.kept
+        if kept == 0:  # every micro-batch was dropped (on every rank)
+            return self.skip()
+        decision = self.decide(totals)
+        if decision is None or not self.apply(decision):
+            return self.nonfinite_window()
+        self.finish()
+
+    def gather(self):
+        """Zero stale views, reduce the window across ranks and agree on its bookkeeping."""
+        self.sync.check_world()
+        self.window.zero_untouched(self.params, self.intake.views)
+        totals = self.sync.finish(self.nonfinite.found_inf)
+        if totals is not None:
+            self.window.keep_only(self.params, totals.touched)
+        return totals
+
+    def decide(self, totals) -> Decision | None:
+        """Normalise (or plan the fold), then measure: None if the window is not finite."""
+        window = self.window
+        target = window.target_divisor(totals)
+        if target is None:
+            raise ValueError(NO_WEIGHTS)
+        outside = [p.grad for p in self.outside.with_grad() if not p.grad.is_sparse]
+        # a fused inner optimizer divides by grad_scale in its own pass: 1/N and the clip
+        # coefficient go there (never a factor above 1: its divide could overflow unseen)
+        factor = window.divisor / target
+        fold = self.can_fold and self._foldable() and not outside and factor <= 1.0
+        if not fold:
+            window.normalise(target)
+            factor = 1.0
+        self.outside.scale(1.0 / (self.scaler.scale * target))
+        views = [v for p, v in zip(self.params, self.intake.views) if window.holds(p)]
+        norm = self.measure(self.sync, views, outside)
+        if not bool(torch.isfinite(norm)):
+            return None
+        if self.config.max_grad_norm is None:
+            norm = None
+        else:
+            norm = (norm * factor if factor != 1.0 else norm).float()
+            self.last_grad_norm = norm
+        return Decision(target, factor, fold, norm, outside)
+
+    def apply(self, d: Decision) -> bool:
+        """Clip and normalise, hand the window over, step the inner optimizer; False if the
+        window overflows the params' dtype (``master_weights=False`` with bf16/fp16 params)."""
+        flats = list(self.window.storage.buffers.values())
+        scaled = self._scale_grads(flats + d.outside, d.norm, d.factor, d.fold)
+        if d.fold:
+            self.window.divisor = d.target  # the inner optimizer writes the divided grads back
+        cast = self._hand_grads()
+        if cast and not self.nonfinite.all_finite([p.grad for p in cast]):
+            for p in cast:
+                p.grad = None
+            self.intake.expose()
+            return False
+        self.masters.resync_changed()
+        try:
+            protocol.inner_step(self.optimizer)
+        finally:
+            if scaled:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+        self._after_inner_step(cast)
+        return True
+
+    def finish(self) -> None:
+        self.scaler.update(found_inf=False)
+        self.reset_window()
+
+    # -- outcomes other than a step ---------------------------------------------------------------
+    def skip(self) -> None:
+        self.nonfinite.skipped_steps += 1
+        self.scaler.update(found_inf=True)
+        self.reset_window()
+
+    def nonfinite_window(self) -> None:
+        if self.nonfinite.policy == "raise":
+            raise FloatingPointError(f"non-finite gradient in {self._first_nonfinite()}")
+        self.skip()
+
+    def closure_step(self, closure, take_in):
+        """An inner optimizer that requires a closure (LBFGS) evaluates it itself, maybe
+        several times: each evaluation runs at the inner optimizer's current point (masters
+        copied into the model), fills a fresh window (``take_in()`` takes in and counts what the
+        closure's backward left) and hands it over as ``.grad``."""
+        cast: list[torch.Tensor] = []
+
+        def evaluate():
+            self.masters.copy_back()
+            self.reset_window()
+            with torch.enable_grad():
+                loss = closure()
+            with torch.no_grad():
+                take_in()
+                self.window.zero_untouched(self.params, self.intake.views)
+                self.window.normalise(self.window.target_divisor() or 1.0)
+                self.outside.scale(1.0 / (self.scaler.scale * self.window.divisor))
+                cast[:] = self._hand_grads()
+            return loss
+
+        loss = protocol.inner_step(self.optimizer, evaluate)
+        self._after_inner_step(cast)
+        self.reset_window()
+        return loss
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _foldable(self) -> bool:
+        """A fused inner optimizer (Adam, AdamW, SGD with ``fused=True``) that no GradScaler
+        drives now: it divides the gradients by its ``grad_scale`` in its own pass."""
+        inner = self.optimizer
+        return takes_grad_scale(inner) and getattr(inner, "grad_scale", None) is None \
+            and getattr(inner, "found_inf", None) is None
+
+    def _scale_grads(self, grads: list[torch.Tensor], norm: torch.Tensor | None, factor: float,
+                     fold: bool) -> bool:
+        """Multiply the gradients by ``factor`` and the clip coefficient
+        ``min(1, max_grad_norm / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``).
+        Folded, as GradScaler does it: the fused inner optimizer gets the inverse as its
+        ``grad_scale`` (and a clear ``found_inf``) for this step; returns True then."""
+        if norm is None and factor == 1.0:
+            return False
+        if fold:
+            device = self.nonfinite.found_inf.device
+            inv = torch.tensor(1.0 / factor, device=device) if norm is None else \
+                torch.clamp((norm + 1e-6) / self.config.max_grad_norm, min=1.0) / factor
+            self.optimizer.grad_scale, self.optimizer.found_inf = inv, torch.zeros_like(inv)
+            return True
+        coef = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device))
+        return False
+
+    def _first_nonfinite(self) -> str:
+        storage = self.window.storage
+        for i, p in enumerate(self.params):
+            view = storage.view(p)
+            if view.numel() and not bool(torch.isfinite(view).all()):
+                return self.names.get(id(p), f"parameter {i} (shape {tuple(p.shape)})")
+        return "the window (non-finite on another rank, or outside the window)"
+
+    def _hand_grads(self) -> list[torch.Tensor]:
+        """Give the window to the inner optimizer as ``.grad``; returns the params that got an
+        own copy in their dtype (``master_weights=False`` with bf16/fp16 params)."""
+        cast = []
+        for p, view in zip(self.params, self.intake.views):
+            master = self.masters.get(p)
+            target = master if master is not None else p
+            if not self.window.holds(p):
+                target.grad = None  # the inner optimizer skips params without .grad
+            elif master is None and p.dtype in LOW_PRECISION:
+                p.grad = view.to(p.dtype)  # master_weights=False: grads in the param dtype
+                cast.append(p)
+            else:
+                target.grad = view
+        return cast
+
+    def _after_inner_step(self, cast: list[torch.Tensor]) -> None:
+        self.masters.copy_back()
+        for p in cast:
+            p.grad = None
+        self.intake.expose()  # as native: after the step .grad still shows what it used
