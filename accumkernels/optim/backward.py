@@ -1,4 +1,4 @@
-"""The end of one backward, and hook handles: shared by the flat and the FSDP2 intakes.
+"""The end of one backward, weight passes, and hook handles (shared by the intakes).
 
 No public hook fires once after every AccumulateGrad of a backward (nested, reentrant ones
 included): a final callback queued on the autograd engine does (accumkernels._torch_private).
@@ -6,6 +6,7 @@ included): a final callback queued on the autograd engine does (accumkernels._to
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 from accumkernels._torch_private import current_autograd_node, queue_callback
@@ -41,3 +42,24 @@ def remove_handles(handles: list) -> None:
     for h in handles:
         h.remove()
     handles.clear()
+
+
+@contextlib.contextmanager
+def weight_pass(intake):
+    """A weight pass: gradients computed with ``torch.autograd.grad`` (AccumulateGrad never
+    runs) and assigned to (or added into) ``.grad`` inside the block are one micro-batch. The
+    window is hidden meanwhile (each gradient lands in ``.grad`` alone); at the end they are
+    moved like a backward's (fused, scaled, checked, counted), unless a backward inside the
+    block counted itself (stage 0 of a pipeline runs a full backward there)."""
+    intake.take_in()
+    if intake.move_in_backward:
+        intake.hide_all()
+    intake.in_weight_pass, intake.counted = True, False
+    try:
+        yield
+    finally:
+        intake.in_weight_pass = False
+    if intake.move_in_backward:
+        intake.move_unmoved()  # (counts one micro-batch only if it moves something)
+    elif not intake.counted:
+        intake.unmoved_backward()

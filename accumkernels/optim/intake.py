@@ -81,6 +81,8 @@ class Intake:
         self._got_grad = False  # an AccumulateGrad (or fused write) ran in it
         self._end_ref = None  # weakref to the active backward's final callback
         self.unmoved = 0  # backwards whose gradients still sit in .grad (not moved in backward)
+        self.in_weight_pass = False  # inside weight_pass(): the window stays hidden
+        self.counted = False  # a backward counted itself (since the weight pass began)
         self.handles: list = []
         self.guard = Guard(self)
         me = weakref.ref(self)
@@ -230,15 +232,20 @@ class Intake:
             if kept:  # (a dropped micro-batch: its held gradients are released with ``pending``)
                 for index, pend in pending.items():
                     self._launch_held(index, pend)
+        self.counted = self.counted or self._got_grad
         if self._got_grad and self.move_in_backward:
             self.events.microbatch_ended(kept)
         elif self._got_grad:
-            self.unmoved += 1  # counted when moved: the non-finite check sees its gradients
-            n = self.config.accumulation_steps
-            if n is not None and self.window.micro_steps + self.unmoved >= n:
-                self.move_unmoved()  # the N-th backward: .grad shows the complete window
-        if self.move_in_backward:
+            self.unmoved_backward()
+        if self.move_in_backward and not self.in_weight_pass:
             self.expose()
+
+    def unmoved_backward(self) -> None:
+        """A backward whose gradients stay in ``.grad`` (``accumulate_in_backward=False``)."""
+        self.unmoved += 1  # counted when moved: the non-finite check sees its gradients
+        n = self.config.accumulation_steps
+        if n is not None and self.window.micro_steps + self.unmoved >= n:
+            self.move_unmoved()  # the N-th backward: .grad shows the complete window
 
     def claim(self, p: torch.Tensor) -> SlotWrite:
         """A fused kernel writes p's gradient of this backward straight into the window."""

@@ -28,7 +28,7 @@ from accumkernels.checks import check_model
 from accumkernels.optim import protocol
 from accumkernels.optim.config import make_config
 from accumkernels.optim.guard import follow_move
-from accumkernels.optim.backward import remove_handles
+from accumkernels.optim.backward import remove_handles, weight_pass
 from accumkernels.optim.masters import MasterWeights
 from accumkernels.optim.outside import OutsideParams
 from accumkernels.optim.parts import (Parts, attach_slots, build_rooms, layout_for, managed,
@@ -295,6 +295,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         parts.sync.weight_added()  # DDP: a weight after the sync's agreement is agreed at step()
         if parts.window.complete and not parts.sync.active:
             parts.window.normalise(parts.window.target_divisor())
+
+    def weight_pass(self):
+        """Context manager for a weight pass that computes weight gradients with
+        ``torch.autograd.grad`` and assigns (or adds) them to ``.grad`` itself, as the split
+        backward of pipeline schedules does (``accumkernels.integrations.pipelining`` enters it
+        for every stage): what lands in ``.grad`` inside is one micro-batch, accumulated in fp32
+        with the fused kernel, scaled, checked and counted like a backward's."""
+        return weight_pass(self._intake)
 
     def accumulate(self) -> None:
         """Move the model's ``.grad`` into the window (``accumulate_in_backward=False``)."""
