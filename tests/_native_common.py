@@ -1,5 +1,7 @@
-"""Shared pieces of the native-equivalence tests (issue 9: tests/test_native_equivalence.py,
-tests/test_two_trainings.py, tests/test_real_projects.py).
+"""Shared pieces of the tests that run a loop natively and wrapped side by side (the visibility
+invariant and "No guessing from outside": tests/optim/test_native_equivalence.py,
+tests/optim/test_two_trainings.py; tests/integrations/test_real_projects.py; the zero_grad,
+master-weight and robustness tests of tests/optim/).
 
 Every test runs the same loop twice -- once with the stock optimizer and PyTorch's own fp32
 ``.grad`` accumulation ("native"), once with ``AccumulatingOptimizer`` dropped in -- and compares
@@ -152,6 +154,16 @@ def assert_moved(model: nn.Module, start: nn.Module, by: float = 1e-4) -> None:
     moved = max((p.detach().double() - q.detach().double()).abs().max().item()
                 for p, q in zip(model.parameters(), start.parameters()))
     assert moved > by, f"params moved by only {moved}"
+
+
+def sgd_pair(accumulation_steps=None, dtype=torch.float32, **kw):
+    """(native model, its momentum SGD, wrapped model, AccumulatingOptimizer of the same SGD):
+    the same seeded MLP twice, for loops run natively and wrapped side by side."""
+    native = mlp(dtype)
+    ours = copy.deepcopy(native)
+    return (native, torch.optim.SGD(native.parameters(), lr=0.1, momentum=0.9),
+            ours, AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9),
+                                        accumulation_steps=accumulation_steps, **kw))
 
 
 # -- counting fused launches ----------------------------------------------------------------------
@@ -321,7 +333,7 @@ class Run:
 def assert_runs_match(ours: Run, ref: Run, what: str, *, rel: float = REL,
                       atol: float = 1e-5) -> None:
     """Same logs and params. atol for params: the integration tests' margin (see
-    _integration_common: lr * steps * 2**-24 << 1e-5 << lr)."""
+    _integrations_common: lr * steps * 2**-24 << 1e-5 << lr)."""
     assert_values_match(ours.losses, ref.losses, f"{what} losses", rel)
     assert_values_match(ours.micro_norms, ref.micro_norms, f"{what} per-micro-batch grad norms",
                         rel)
@@ -344,7 +356,7 @@ def _decay(step: int) -> float:
 def run_accelerate(start: nn.Module, samples, *, wrap: bool, accumulation_steps: int | None = None,
                    epochs: int = 2) -> Run:
     """Accelerate's gradient-accumulation guide, prepared optimizer and scheduler, clipping."""
-    from _integration_common import loader
+    from _integrations_common import loader
     from accelerate import Accelerator
 
     run = Run(copy.deepcopy(start))
@@ -375,7 +387,7 @@ def run_lightning(start: nn.Module, samples, *, wrap: bool, accumulation_steps: 
                   epochs: int = 2) -> Run:
     """Lightning automatic optimization, accumulate_grad_batches=4, gradient_clip_val."""
     import lightning as L
-    from _integration_common import loader
+    from _integrations_common import loader
 
     run = Run(copy.deepcopy(start))
 
@@ -412,7 +424,7 @@ def run_lightning(start: nn.Module, samples, *, wrap: bool, accumulation_steps: 
 def run_trainer(start: nn.Module, samples, output_dir, *, wrap: bool,
                 accumulation_steps: int | None = None, epochs: int = 2) -> Run:
     """HF Trainer, gradient_accumulation_steps=4, max_grad_norm, the optimizer passed in."""
-    from _integration_common import TokenDataset
+    from _integrations_common import TokenDataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     run = Run(copy.deepcopy(start))
@@ -442,7 +454,7 @@ def run_plain(start: nn.Module, samples, *, wrap: bool, accumulation_steps: int 
     """The textbook loop (loss / N, clip + step + zero_grad every N and at the end of the data).
     With the wrapper, Accelerate-style: step() and zero_grad() every micro-batch (no-ops
     mid-window), clip where ``opt.sync_step`` says, flush() the short window at the end."""
-    from _integration_common import loader
+    from _integrations_common import loader
 
     run = Run(copy.deepcopy(start))
     model = run.model

@@ -1,4 +1,16 @@
-"""Shared test setup: Triton runs through its interpreter on CPU-only machines.
+"""Shared test setup for every folder of tests/: where helper modules are found, Triton through
+its interpreter on CPU-only machines, the (device, backend) pairs of the op tests, a seed per test.
+
+Layout: one folder per subject (op/, buffer/, optim/, distributed/, integrations/, wgrad/,
+tools/); shared helpers (reference.py, gpu_cases.py, _native_common.py) here at the top.
+
+Imports: test helpers are plain modules imported by their file name (``from _ddp_workers import
+run_ranks``, ``from reference import Reference``). This file puts tests/ and each of its folders
+on ``sys.path`` before any test module is imported, so a helper is found from every folder, when
+one file or folder is run alone, and in spawned rank processes (multiprocessing's spawn start
+method hands the parent's ``sys.path`` to the child, which re-imports the worker's module by
+name). The price: every module name under tests/ is unique (checked below; pytest's default
+import mode refuses two test files with one basename anyway).
 
 TRITON_INTERPRET must be set before triton is first imported, hence here, at collection.
 """
@@ -6,8 +18,23 @@ TRITON_INTERPRET must be set before triton is first imported, hence here, at col
 import os
 import sys
 import zlib
+from pathlib import Path
 
 import torch
+
+TESTS = Path(__file__).resolve().parent
+_FOLDERS = [TESTS] + sorted(p for p in TESTS.iterdir()
+                            if p.is_dir() and not p.name.startswith((".", "_")))
+_seen: dict[str, Path] = {}
+for _folder in _FOLDERS:
+    for _file in _folder.glob("*.py"):
+        if _file.name in ("conftest.py", "__init__.py"):
+            continue
+        assert _file.name not in _seen, \
+            f"two test modules named {_file.name} ({_seen[_file.name]}, {_file}): rename one"
+        _seen[_file.name] = _file
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 if not torch.cuda.is_available():
     assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET was set"

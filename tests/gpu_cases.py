@@ -1,4 +1,4 @@
-"""The GPU kernel cases of issue 11, shared by tests/test_gpu_kernels.py and
+"""The GPU kernel cases, shared by tests/op/test_gpu_kernels.py, tests/op/test_cuda_host.py and
 benchmarks/sanitize_cases.py (compute-sanitizer runs them once).
 
 Each case runs ``accumulate_`` with one backend on fresh random data (never zeros) and checks
