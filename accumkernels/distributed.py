@@ -15,6 +15,7 @@ the reduction of the whole buffer.
 from __future__ import annotations
 
 import datetime
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,24 @@ import torch.distributed as dist
 from accumkernels.buffer import Bucket, MasterGradBuffer
 
 __all__ = ["WindowReducer"]
+
+# Set on a param by accumkernels.integrations.pipelining (stage index, number of stages): the
+# replica check below then tells the stages of one pipeline apart even where their shapes agree.
+PIPELINE_STAGE_ATTR = "_accumkernels_pipeline_stage"
+
+_NOT_REPLICAS = (
+    "AccumulatingOptimizer: process_group must hold replicas of one model (data parallel: every "
+    "rank holds the same params and sees different data), but its ranks hold {what}, so the "
+    "broadcast of rank 0's params at construction would overwrite (or, with other shapes, "
+    "abort) the others'. Nothing was broadcast. For the stages of a pipeline "
+    "(torch.distributed.pipelining) pass process_group=<this stage's data-parallel group> (the "
+    "ranks that hold this same stage), or independent_ranks=True without data parallelism")
+
+
+def _fingerprint(items: list) -> float:
+    """A 48-bit hash of ``items`` as a float64 (exact: below 2**53)."""
+    digest = hashlib.blake2b(repr(items).encode(), digest_size=6).digest()
+    return float(int.from_bytes(digest, "big"))
 
 
 class WindowTotals:
@@ -59,9 +78,28 @@ class WindowReducer:
         self.timeout_s = timeout_s
         self._works: dict[int, dist.Work] = {}
 
+    def check_replicas(self, params: list[torch.Tensor]) -> None:
+        """Before anything is broadcast: every rank of the group holds the same params (their
+        number, shapes and dtypes, and the pipeline stage where one is marked). One all-reduce
+        (MAX) of two 48-bit fingerprints and their negations; ranks that differ raise
+        ``ValueError`` on every rank, with nothing changed."""
+        shapes = _fingerprint([(tuple(p.shape), str(p.dtype)) for p in params])
+        stages = _fingerprint([getattr(p, PIPELINE_STAGE_ATTR, None) for p in params])
+        device = next(iter(self.buffer.buffers), torch.device("cpu"))
+        info = torch.tensor([shapes, -shapes, stages, -stages], dtype=torch.float64,
+                            device=device)
+        self.wait(dist.all_reduce(info, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                  "replica check")
+        most, least_neg, most_stage, least_stage_neg = info.tolist()
+        if most != -least_neg:
+            raise ValueError(_NOT_REPLICAS.format(what="params of different counts, shapes or "
+                                                       "dtypes"))
+        if most_stage != -least_stage_neg:
+            raise ValueError(_NOT_REPLICAS.format(what="different stages of a pipeline"))
+
     @torch.no_grad()
     def broadcast_params(self, params: list[torch.Tensor]) -> None:
-        """Make every rank start from rank 0's parameters."""
+        """Make every rank start from rank 0's parameters (after :meth:`check_replicas`)."""
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         for p in params:
             dist.broadcast(p.data, src=src, group=self.group)
@@ -108,6 +146,14 @@ class WindowReducer:
                 f"{self.rank}) ran {micro_steps} micro-batches, the {self.world} ranks "
                 f"{values[0]:g} in all; every rank must run the same number before step()")
         return WindowTotals(values, self.world, len(touched))
+
+    def settle(self) -> None:
+        """Wait for the sums under way (they stay recorded: ``finish`` does not redo them).
+        Called at the end of the backward that started them, so that nothing the caller then
+        writes into the window (``p.grad``: pipelining's ``scale_grads``, a clip) races an
+        all-reduce that reads and writes the same memory in place."""
+        for work in self._works.values():
+            self.wait(work, "gradient")
 
     @property
     def started(self) -> bool:

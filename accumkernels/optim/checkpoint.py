@@ -1,16 +1,28 @@
 """The wrapper's checkpoint: each room writes and checks its own piece; loading is atomic.
 
-The state dict is a torch optimizer state dict: ``state`` and ``param_groups`` are the inner
-optimizer's (so a native optimizer loads it, and ``torch.distributed.checkpoint`` walks it),
-and the wrapper's own parts sit under ``"accumkernels"``: format version, param shapes, master
-weights, loss-scale state, non-finite counters, and the window (counts, weights and its fp32
-buffers) only when it is not empty. A native optimizer's state dict loads too: the masters are
-then taken from the model and the window is empty.
+The state dict is a plain torch optimizer state dict, and the wrapper's own state travels
+inside what every checkpoint tool already carries (format 4):
+
+* ``state[i]``: the inner optimizer's state of param ``i`` (keyed like the model's params, so
+  ``torch.distributed.checkpoint`` maps it to the parameter names, flattens, reshards and
+  offloads it), plus ``"accumkernels_master"`` (the fp32 master of a bf16/fp16 param, once the
+  inner optimizer has state for it: before that the master is the model weight) and, while a
+  window is open, ``"accumkernels_window"`` (the param's fp32 window, or its FSDP2 shard);
+* ``param_groups[g]["accumkernels"]``: the bookkeeping (format version, param shapes, window
+  counts and weights, loss-scale state, non-finite counters), the same in every group.
+
+A native optimizer's state dict loads too (masters from the model, an empty window), and the
+wrapper's loads into a native optimizer (the extra keys are ignored by torch's optimizers once
+they have state). A state dict that carries the wrapper's tensors without its bookkeeping, or an
+open window without its tensors (a tool that strips what it does not know, or a template built
+without the window) is refused with a ValueError naming what is lost, never taken as an empty
+window.
 
 ``restore`` first parses every piece (raising ``ValueError`` on anything that does not fit this
 wrapper), then loads the inner optimizer with a rollback, and only then writes the rooms: a
-state that fails changes nothing. Versions 1 and 2 (everything at the top level, the inner
-state under ``"optimizer"``) still load.
+state that fails changes nothing. Format 3 (the wrapper's parts under a top-level
+``"accumkernels"`` key) and formats 1 and 2 (everything at the top level, the inner state under
+``"optimizer"``) still load.
 
 Under data parallelism a window is each rank's own until it is reduced across the ranks (DDP's
 sync backward, ``process_group``'s step). A state dict taken before that records the rank and
@@ -23,35 +35,92 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from itertools import chain
 
 import torch
 import torch.distributed as dist
 
 from accumkernels.optim.window import Window
 
-VERSION = 3
-OWN_KEY = "accumkernels"
+VERSION = 4
+OWN_KEY = "accumkernels"  # per group (format 4); the top-level key of format 3
+MASTER_KEY = "accumkernels_master"
+WINDOW_KEY = "accumkernels_window"
 
 
-def assemble(parts, intake) -> dict:
-    """The wrapper's state dict from its rooms' pieces (``intake``: what shows the window)."""
-    inner = parts.optimizer.state_dict()
+def _index(parts) -> dict[int, int]:
+    """id(param) -> its key in ``state`` (its position over the inner optimizer's groups)."""
+    params = chain.from_iterable(g["params"] for g in parts.optimizer.param_groups)
+    return {id(p): i for i, p in enumerate(params)}
+
+
+def assemble(parts, intake, agree=None) -> dict:
+    """The wrapper's state dict (format 4, see the module docstring). ``intake.views``: what
+    shows each param's window; ``agree(own)``: the FSDP2 room's agreed bookkeeping.
+
+    Every key is always there (the window, the masters, and the inner optimizer's state even
+    before its first step, then from a throwaway copy): a checkpoint tool that loads into this
+    state dict as a template (``dcp.load``) finds every key a saved one may bring."""
+    sd = parts.optimizer.state_dict()
     own = {
         "version": VERSION,
         "param_shapes": [list(p.shape) for p in parts.params],
-        "master_weights": parts.masters.state_dict(),
         "loss_scale": parts.scaler.state_dict(),
         **parts.nonfinite.state_dict(),
+        "inner_state": bool(sd["state"]),
     }
+    if not sd["state"]:
+        sd["state"] = _template_state(parts)
+    state, index = sd["state"], _index(parts)
+    own["found_inf"] = float(own["found_inf"].item())
+    extra = {id(p): {MASTER_KEY: m.detach()} for p, m in zip(parts.masters.model_params,
+                                                            parts.masters.master_list())}
+    for p, view in zip(parts.params, intake.views):
+        extra.setdefault(id(p), {})[WINDOW_KEY] = view.detach()
+    for key, entries in extra.items():
+        state[index[key]] = {**state.get(index[key], {}), **entries}
     window = parts.window
     if not window.empty:
-        own["window"] = {**window.state_dict(parts.params),
-                         "main_grad": list(window.storage.buffers.values())}
+        own["window"] = window.state_dict(parts.params)
         local = parts.sync.rank_local_window()
         if local is not None:  # only this rank's part of the window: only this rank may load it
             own["window"]["rank"], own["window"]["world"] = local
             warnings.warn(_RANK_LOCAL_SAVED.format(*local), stacklevel=3)
-    return {**inner, OWN_KEY: own}
+    if agree is not None:
+        agree(own)
+    for group in sd["param_groups"]:
+        group[OWN_KEY] = own
+    return sd
+
+
+@torch.no_grad()
+def _template_state(parts) -> dict:
+    """The state an inner optimizer without any gets from an lr=0 step on zero gradients (what
+    ``get_state_dict`` creates for a fresh native optimizer), taken on a copy over copies of
+    the params: the live optimizer, params and masters are untouched."""
+    inner = parts.optimizer
+    step = getattr(type(inner).step, "__wrapped__", type(inner).step)
+    with parts.masters.swapped():  # over the fp32 masters: the template state is fp32 too
+        clones = {id(p): torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                  for g in inner.param_groups for p in g["params"]}
+        groups = [{**g, "params": [clones[id(p)] for p in g["params"]]}
+                  for g in inner.param_groups]
+    copy = object.__new__(type(inner))
+    copy.__dict__.update({k: v for k, v in inner.__dict__.items()
+                          if not k.startswith("_accumkernels")})
+    protocol_registries = [k for k in copy.__dict__ if k.startswith("_optimizer_")]
+    for k in protocol_registries:
+        copy.__dict__[k] = type(copy.__dict__[k])()
+    copy.param_groups = [{**g, **({"lr": torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"])
+                                   else 0.0} if "lr" in g else {})} for g in groups]
+    copy.state = defaultdict(dict)
+    for c in clones.values():
+        c.grad = torch.zeros_like(c) if c.requires_grad else None
+    try:
+        step(copy)
+    except Exception:  # noqa: BLE001 - an optimizer that needs a closure: no template state
+        return {}
+    return copy.state_dict()["state"]
 
 
 _RANK_LOCAL_SAVED = (
@@ -88,11 +157,72 @@ def _parse_buffers(parts, saved: object) -> list[torch.Tensor]:
     return [t.detach().clone() for t in saved]
 
 
+_STRIPPED = (
+    "load_state_dict: this state dict carries AccumulatingOptimizer's per-param {what} but not "
+    "its bookkeeping (param_groups[...]['accumkernels'] is missing: the tool that saved or loaded "
+    "it dropped unknown param_group keys); the window counts, weights and loss-scale state "
+    "are lost. Save with opt.state_dict() (torch.save), or a tool that keeps param_groups whole")
+_NO_WINDOW = (
+    "load_state_dict: this checkpoint was taken in the middle of a window of {n} micro-batch(es), "
+    "but the gradients of that window are missing for {missing} (they were not saved, or the "
+    "template it was loaded into had no window: with torch.distributed.checkpoint, load into "
+    "the state dict of a wrapper that is itself inside a window, e.g. after one backward, or "
+    "save at a window boundary, after step())")
+
+
+def _own_of(sd: dict):
+    """The format-4 bookkeeping of a state dict (first group's), or None."""
+    groups = sd.get("param_groups")
+    if isinstance(groups, list):
+        for g in groups:
+            if isinstance(g, dict) and OWN_KEY in g:
+                return g[OWN_KEY]
+    return None
+
+
+def _strip(sd: dict) -> dict:
+    """The inner optimizer's part of a format-4 state dict (the wrapper's keys removed)."""
+    state = {k: {n: v for n, v in entry.items() if n not in (MASTER_KEY, WINDOW_KEY)}
+             if isinstance(entry, dict) else entry for k, entry in sd["state"].items()}
+    state = {k: v for k, v in state.items() if not isinstance(v, dict) or v}
+    groups = [{k: v for k, v in g.items() if k != OWN_KEY} for g in sd["param_groups"]]
+    return {**sd, "state": state, "param_groups": groups}
+
+
+def _from_v4(parts, sd: dict, own: object) -> dict:
+    """Format 4 in the form of the older formats' pieces (checked in ``_parse``)."""
+    if not isinstance(own, dict) or own.get("version") != VERSION:
+        version = own.get("version") if isinstance(own, dict) else None
+        raise ValueError(f"load_state_dict: checkpoint format version {version!r} is not "
+                         f"supported (this accumkernels writes version {VERSION})")
+    index, state = _index(parts), sd["state"]
+    entry = lambda p: state.get(index.get(id(p)), {})  # noqa: E731
+    inner = _strip(sd)
+    if own.get("inner_state") is False:  # saved before the inner optimizer had any state
+        inner = {**inner, "state": {}}
+    old = {**own, "optimizer": inner,
+           "master_weights": [entry(p).get(MASTER_KEY) for p in parts.masters.model_params],
+           "window_views": None, "window": own.get("window")}
+    window = own.get("window")
+    views = [entry(p).get(WINDOW_KEY) for p in parts.params]
+    if window is None and all(v is not None for v in views):
+        old["window_views"] = views  # a boundary: taken as saved, nothing held
+    if window is not None:
+        touched = window.get("touched", []) if isinstance(window, dict) else []
+        missing = [parts.names.get(id(parts.params[i]), f"param {i}") for i in touched
+                   if isinstance(i, int) and 0 <= i < len(views) and views[i] is None]
+        if missing:
+            raise ValueError(_NO_WINDOW.format(n=window.get("micro_steps"),
+                                               missing=", ".join(missing[:3])))
+        old["window_views"] = views
+    return old
+
+
 def _parse(parts, sd: object) -> dict:
-    """The pieces of a v3, v1/v2 or native state dict, checked; and the inner optimizer's."""
-    if isinstance(sd, dict) and OWN_KEY in sd:
+    """The pieces of a v4, v3, v1/v2 or native state dict, checked; and the inner optimizer's."""
+    if isinstance(sd, dict) and OWN_KEY in sd:  # format 3
         own = sd[OWN_KEY]
-        if not isinstance(own, dict) or own.get("version") != VERSION:
+        if not isinstance(own, dict) or own.get("version") != 3:
             version = own.get("version") if isinstance(own, dict) else None
             raise ValueError(f"load_state_dict: checkpoint format version {version!r} is not "
                              f"supported (this accumkernels writes version {VERSION})")
@@ -107,7 +237,13 @@ def _parse(parts, sd: object) -> dict:
             raise ValueError(f"load_state_dict: checkpoint format version {sd['version']!r} is "
                              f"not supported (this accumkernels writes version {VERSION})")
     elif isinstance(sd, dict) and "state" in sd and "param_groups" in sd:
-        return {"inner": sd, "native": True}  # a native optimizer's: masters from the model
+        own = _own_of(sd)
+        if own is None:
+            for key, what in ((WINDOW_KEY, "window gradients"), (MASTER_KEY, "master weights")):
+                if any(isinstance(e, dict) and key in e for e in sd["state"].values()):
+                    raise ValueError(_STRIPPED.format(what=what))
+            return {"inner": sd, "native": True}  # a native optimizer's: masters from the model
+        old = _from_v4(parts, sd, own)
     else:
         raise ValueError("load_state_dict: neither an optimizer state dict (no 'state' and "
                          "'param_groups') nor an AccumulatingOptimizer checkpoint")
@@ -122,14 +258,34 @@ def _parse(parts, sd: object) -> dict:
     window = old["window"]
     if isinstance(window, dict):
         _check_rank(parts, window)
+    views = old.get("window_views")
     return {
         "inner": old["optimizer"],
         "masters": parts.masters.parse(old["master_weights"]),
-        "buffers": None if window is None else _parse_buffers(parts, old["main_grad"]),
+        "buffers": None if window is None or views is not None
+        else _parse_buffers(parts, old["main_grad"]),
+        "views": None if views is None else _parse_views(parts, views),
         "window": None if window is None else Window.parse(window, parts.params),
         "nonfinite": parts.nonfinite.parse(old),
         "scaler": parts.scaler.parse(old["loss_scale"]),
     }
+
+
+def _parse_views(parts, saved: list) -> list[torch.Tensor | None]:
+    """Per-param saved windows (DTensors: this rank's shard) checked against this storage."""
+    out = []
+    for i, (p, t) in enumerate(zip(parts.params, saved)):
+        if t is None:
+            out.append(None)
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        mine = parts.window.storage.view(p)
+        if not isinstance(local, torch.Tensor) or local.shape != mine.shape:
+            raise ValueError(f"load_state_dict: the saved window of param {i} has shape "
+                             f"{tuple(getattr(local, 'shape', ()))}, this one's is "
+                             f"{tuple(mine.shape)}")
+        out.append(local.detach().clone())
+    return out
 
 
 def _check_inner_shapes(optimizer: torch.optim.Optimizer) -> None:
@@ -160,7 +316,8 @@ def restore(parts, intake, step, sd: dict) -> None:
     rollback) before any room changes."""
     intake.settle()
     parsed = _parse(parts, sd)
-    _load_inner(parts.optimizer, parsed["inner"])
+    with parts.masters.swapped():  # the inner state of bf16/fp16 params is the masters' (fp32)
+        _load_inner(parts.optimizer, parsed["inner"])
     # Nothing below can fail.
     intake.pending = {}
     step.reset_window()
@@ -169,27 +326,36 @@ def restore(parts, intake, step, sd: dict) -> None:
     else:
         parts.masters.load(parsed["masters"])
         if parsed["window"] is not None:
-            for flat, saved in zip(parts.window.storage.buffers.values(), parsed["buffers"]):
-                flat.copy_(saved)
+            if parsed["views"] is not None:
+                _copy_views(parts, parsed["views"])
+            else:
+                for flat, saved in zip(parts.window.storage.buffers.values(),
+                                       parsed["buffers"]):
+                    flat.copy_(saved)
             parts.window.load(parsed["window"])
+        elif parsed.get("views") is not None:  # a boundary: the views as saved (not held)
+            _copy_views(parts, parsed["views"])
         parts.nonfinite.load(parsed["nonfinite"])
         parts.scaler.load(parsed["scaler"])
     intake.hide_all()
     intake.expose()
 
 
+def _copy_views(parts, views: list) -> None:
+    for p, saved in zip(parts.params, views):
+        if saved is not None:
+            parts.window.storage.view(p).copy_(saved)
+
+
 def native_copy(parts) -> torch.optim.Optimizer:
-    """A shallow copy of the inner optimizer over the model's params (masters mapped back),
+    """A shallow copy of the inner optimizer (its groups and state hold the model's params),
     with no tie to the wrapper: what pickling and ``copy.deepcopy`` carry."""
-    inner, masters = parts.optimizer, parts.masters
-    model_of = {id(masters.get(p)): p for p in parts.params if masters.get(p) is not None}
+    inner = parts.optimizer
     copy = object.__new__(type(inner))
     copy.__dict__.update({k: v for k, v in inner.__dict__.items()
                           if not k.startswith("_accumkernels")})
-    copy.param_groups = [{**g, "params": [model_of.get(id(p), p) for p in g["params"]]}
-                         for g in inner.param_groups]
+    copy.param_groups = [dict(g) for g in inner.param_groups]
     state = type(inner.state)(dict) if isinstance(inner.state, defaultdict) else {}
-    for p, value in inner.state.items():
-        state[model_of.get(id(p), p)] = value
+    state.update(inner.state)
     copy.state = state
     return copy

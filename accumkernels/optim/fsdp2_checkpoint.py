@@ -55,20 +55,19 @@ native_copy = checkpoint.native_copy
 
 
 def assemble(parts, intake) -> dict:
-    """The wrapper's state dict, FSDP2 form (see the module docstring). Collective: every rank
-    calls it."""
-    init_inner_state(parts.optimizer)
-    sd = checkpoint.assemble(parts, intake)
-    own = sd[checkpoint.OWN_KEY]
-    window = {**parts.window.state_dict(parts.params)}
-    found, weight = parts.sync.agree_for_checkpoint(parts.nonfinite.found_inf,
-                                                    parts.window.local_weight())
-    if window["weights"]:
-        window["weights"], window["dropped"] = [weight / parts.sync.world], []
-    window["main_grad"] = [v.detach() for v in intake.views]
-    own["window"] = window
-    own["found_inf"] = found
-    return sd
+    """The wrapper's state dict (format 4: the window per param, as the DTensor shards
+    ``intake.views``), its bookkeeping in agreed form. Collective: every rank calls it."""
+    init_inner_state(parts.optimizer)  # (the DTensor state needs the real optimizer's step)
+    weights = parts.window.weights
+
+    def agree(own: dict) -> None:
+        found, weight = parts.sync.agree_for_checkpoint(parts.nonfinite.found_inf,
+                                                        parts.window.local_weight())
+        own["found_inf"] = float(found.item())
+        if "window" in own and weights:
+            own["window"]["weights"], own["window"]["dropped"] = [weight / parts.sync.world], []
+
+    return checkpoint.assemble(parts, intake, agree)
 
 
 def _flats(storage, saved: object) -> list[torch.Tensor]:

@@ -16,6 +16,8 @@ master step is to fold that read into the inner optimizer's own pass over the ma
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from accumkernels._util import LOW_PRECISION
@@ -34,28 +36,47 @@ class MasterWeights:
         self.model_params: list[torch.Tensor] = []  # in registration order, those with masters
 
     def retarget(self, params: list[torch.Tensor]) -> None:
-        """Point the inner optimizer at fp32 copies of the low-precision ``params``; remap state."""
+        """fp32 copies of the low-precision ``params``. The inner optimizer keeps the model
+        params in its groups and its state keyed by them (so checkpoint tools map that state to
+        the model's parameter names), its state tensors of those params in fp32; it steps the
+        masters inside :meth:`swapped`."""
         if not self.enabled:
             return
-        wanted = {id(p) for p in params if p.dtype in LOW_PRECISION and id(p) not in self.masters}
+        wanted = [p for p in params if p.dtype in LOW_PRECISION and id(p) not in self.masters]
         if wanted:
             self.optimizer._accumkernels_masters = True
         state = self.optimizer.state
-        for group in self.optimizer.param_groups:
-            new_params = []
-            for p in group["params"]:
-                if id(p) in wanted:
-                    master = torch.nn.Parameter(p.detach().float().clone())
-                    self.masters[id(p)] = master
-                    self.model_params.append(p)
-                    if p in state:
-                        state[master] = {
-                            k: v.float() if torch.is_tensor(v) and v.dtype in LOW_PRECISION else v
-                            for k, v in state.pop(p).items()
-                        }
-                    p = master
-                new_params.append(p)
-            group["params"] = new_params
+        for p in wanted:
+            self.masters[id(p)] = torch.nn.Parameter(p.detach().float().clone())
+            self.model_params.append(p)
+            if p in state:
+                state[p] = {k: v.float() if torch.is_tensor(v) and v.dtype in LOW_PRECISION
+                            else v for k, v in state[p].items()}
+
+    @contextlib.contextmanager
+    def swapped(self):
+        """The inner optimizer over the fp32 masters for the block (a step, a state load): its
+        groups' params and its state keys are the masters, and the model params again after."""
+        if not self.masters:
+            yield
+            return
+        inner, masters = self.optimizer, self.masters
+        state = inner.state
+        for group in inner.param_groups:
+            group["params"] = [masters.get(id(p), p) for p in group["params"]]
+        for p in self.model_params:
+            if p in state:
+                state[masters[id(p)]] = state.pop(p)
+        try:
+            yield
+        finally:
+            model_of = {id(masters[id(p)]): p for p in self.model_params}
+            for group in inner.param_groups:
+                group["params"] = [model_of.get(id(q), q) for q in group["params"]]
+            for p in self.model_params:
+                m = masters[id(p)]
+                if m in state:
+                    state[p] = state.pop(m)
 
     def get(self, p: torch.Tensor) -> torch.nn.Parameter | None:
         return self.masters.get(id(p))
@@ -113,18 +134,26 @@ class MasterWeights:
     def state_dict(self) -> list[torch.Tensor]:
         return self.master_list()
 
-    def parse(self, saved: object) -> list[torch.Tensor]:
+    def parse(self, saved: object) -> list[torch.Tensor | None]:
+        """Saved masters in registration order; None where the checkpoint has none (the master
+        then equals the model weight: taken from the model at load)."""
         mine = self.master_list()
         if not isinstance(saved, (list, tuple)) or len(saved) != len(mine) or any(
-                not isinstance(t, torch.Tensor) or t.shape != m.shape for t, m in zip(saved, mine)):
+                t is not None and (not isinstance(t, torch.Tensor) or t.shape != m.shape)
+                for t, m in zip(saved, mine)):
             raise ValueError("load_state_dict: master_weights do not match this optimizer's params")
-        return [t.detach().clone() for t in saved]
+        return [None if t is None else _local(t).detach().clone() for t in saved]
 
     @torch.no_grad()
-    def load(self, parsed: list[torch.Tensor]) -> None:
-        for m, t in zip(self.master_list(), parsed):
-            m.copy_(t)
+    def load(self, parsed: list[torch.Tensor | None]) -> None:
+        for p, m, t in zip(self.model_params, self.master_list(), parsed):
+            m.copy_(t if t is not None else p)
         self.copy_back()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a checkpoint tool may hand masters over as DTensors)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _plain_pair(p: torch.Tensor, m: torch.Tensor, device_type: str) -> bool:

@@ -65,8 +65,10 @@ class NonFinite:
 
     def parse(self, state: dict) -> dict:
         flag = state.get("found_inf")
+        if isinstance(flag, (int, float)) and not isinstance(flag, bool):
+            flag = torch.tensor([float(flag)])
         if not isinstance(flag, torch.Tensor) or flag.numel() != 1:
-            raise ValueError("load_state_dict: 'found_inf' must be a 1-element tensor")
+            raise ValueError("load_state_dict: 'found_inf' must be a number or 1-element tensor")
         try:
             return {"found_inf": flag.detach().clone(),
                     "skipped_steps": int(state["skipped_steps"]),

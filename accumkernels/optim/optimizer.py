@@ -174,7 +174,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         parts = self.__dict__.get("_parts")
         return protocol.forward_attribute(self, self.__dict__.get("config"),
                                           self.__dict__.get("optimizer"), name,
-                                          parts.masters.copy_back if parts else None)
+                                          parts.masters if parts else None)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; its trainable params join the window.
@@ -358,17 +358,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                             "or DDP) cannot be pickled or deep-copied; save its state_dict()")
         self._intake.take_in()
         kwargs = {f: getattr(self.config, f) for f in self.config.__dataclass_fields__}
-        own = self._layout.checkpoint.assemble(self._parts, self._intake)
-        return _rebuild, (self._layout.checkpoint.native_copy(self._parts), kwargs,
-                          own[self._layout.checkpoint.OWN_KEY])
+        sd = self._layout.checkpoint.assemble(self._parts, self._intake)
+        return _rebuild, (self._layout.checkpoint.native_copy(self._parts), kwargs, sd)
 
     def remove_hooks(self) -> None:
         """Detach from the model's params (the wrapper stops accumulating during backward)."""
         self._intake.remove()
 
 
-def _rebuild(inner: torch.optim.Optimizer, kwargs: dict, own: dict) -> AccumulatingOptimizer:
-    from accumkernels.optim.checkpoint import OWN_KEY
+def _rebuild(inner: torch.optim.Optimizer, kwargs: dict, sd: dict) -> AccumulatingOptimizer:
     opt = AccumulatingOptimizer(inner, **kwargs)
-    opt.load_state_dict({**inner.state_dict(), OWN_KEY: own})
+    opt.load_state_dict(sd)
     return opt

@@ -78,19 +78,20 @@ def run_step(opt, args: tuple, kwargs: dict, fn):
     return out
 
 
-def forward_attribute(opt, config, inner, name: str, copy_back):
+def forward_attribute(opt, config, inner, name: str, masters):
     """An attribute the wrapper does not define: an option of ``config``, else a public
     attribute of the ``inner`` optimizer (what frameworks duck-type). A ``train()``/``eval()``
-    that moves the weights it steps (schedule-free optimizers) then runs ``copy_back()``, so
-    the model gets the moved master weights."""
+    that moves the weights it steps (schedule-free optimizers) runs on the fp32 ``masters``
+    (MasterWeights), and the model then gets the moved masters."""
     if config is not None and name in config.__dataclass_fields__:
         return getattr(config, name)
     if inner is not None and not name.startswith("_") and hasattr(inner, name):
         value = getattr(inner, name)
-        if name in ("train", "eval") and callable(value) and copy_back is not None:
+        if name in ("train", "eval") and callable(value) and masters is not None:
             def call(*args, **kwargs):
-                out = value(*args, **kwargs)
-                copy_back()
+                with masters.swapped():
+                    out = value(*args, **kwargs)
+                masters.copy_back()
                 return out
             return call
         return value

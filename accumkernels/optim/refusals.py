@@ -21,8 +21,9 @@ def check_inner(optimizer: object, wrapper_cls: type, owner_attr: str) -> None:
         raise ValueError("this optimizer is already wrapped by a live AccumulatingOptimizer; "
                          "wrap each inner optimizer once (build a new one to start over)")
     if previous is not None and getattr(optimizer, "_accumkernels_masters", False):
-        raise ValueError("this optimizer was wrapped before with master weights: its "
-                         "param_groups now hold that wrapper's fp32 copies; build a new one")
+        raise ValueError("this optimizer was wrapped before with master weights: its state was "
+                         "remapped to that wrapper's fp32 master weights, which a new wrapper "
+                         "would not have; build a new optimizer")
     seen: set[int] = set()
     for g, group in enumerate(optimizer.param_groups):
         if group.get("differentiable"):

@@ -143,7 +143,8 @@ class Step:
             return False
         self.masters.resync_changed()
         try:
-            protocol.inner_step(self.optimizer)
+            with self.masters.swapped():
+                protocol.inner_step(self.optimizer)
         finally:
             if scaled:
                 del self.optimizer.grad_scale, self.optimizer.found_inf
@@ -185,7 +186,8 @@ class Step:
                 cast[:] = self._hand_grads()
             return loss
 
-        loss = protocol.inner_step(self.optimizer, evaluate)
+        with self.masters.swapped():
+            loss = protocol.inner_step(self.optimizer, evaluate)
         self._after_inner_step(cast)
         self.reset_window()
         return loss

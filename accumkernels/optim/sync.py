@@ -24,6 +24,10 @@ swaps its LocalSync for a DDPSync (:func:`ddp_sync_for`).
 
 from __future__ import annotations
 
+import datetime
+import math
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -31,6 +35,22 @@ from accumkernels.distributed import WindowReducer, WindowTotals
 
 _BOTH = ("AccumulatingOptimizer: process_group= and a DistributedDataParallel model would both "
          "reduce the window; under DDP leave process_group out (DDP's comm hook reduces it)")
+
+
+_RANK_LOCAL = (
+    "AccumulatingOptimizer: torch.distributed runs {world} ranks but nothing reduces this "
+    "wrapper's window across them, so each rank would step on its own gradients and the ranks "
+    "would silently diverge. Say which job this is: "
+    "(1) data parallel with DistributedDataParallel: pass model=<the DDP module> (or register "
+    "accumkernels.ddp_comm_hook on it: ddp.register_comm_hook(None, accumkernels.ddp_comm_hook)) "
+    "before the first backward; "
+    "(2) data parallel without DDP: process_group=<the ranks that hold this same model and see "
+    "different data> (the wrapper averages the fp32 window over them once per step); "
+    "(3) pipeline parallel (torch.distributed.pipelining): each rank holds its own stages, so "
+    "independent_ranks=True; with data parallelism as well, process_group=<this stage's "
+    "data-parallel group> (the ranks that hold this same stage), never one that spans "
+    "different stages; "
+    "(4) ranks meant to train apart: independent_ranks=True.")
 
 
 def world_size() -> int:
@@ -43,6 +63,7 @@ class LocalSync:
     active = False  # the window is not reduced across ranks
     ddp_group = None
     timeout_s = None
+    stage_norm = None  # StageNorm: the norm is the whole pipeline's (pipelining.clip_across_stages)
 
     def __init__(self, independent_ranks: bool):
         self.independent_ranks = independent_ranks
@@ -51,17 +72,7 @@ class LocalSync:
         """Raise before a step that would use rank-local gradients in a multi-rank job."""
         world = world_size()
         if world > 1 and not self.independent_ranks:
-            raise RuntimeError(
-                f"AccumulatingOptimizer: torch.distributed runs {world} ranks but nothing reduced "
-                "this wrapper's window across them, so each rank would step on its own "
-                "gradients and the ranks would silently diverge. If the model is in "
-                "DistributedDataParallel, pass model=<the DDP module> (or register "
-                "accumkernels.ddp_comm_hook on it: ddp.register_comm_hook(None, "
-                "accumkernels.ddp_comm_hook)) before the first backward. For data parallel "
-                "without DDP, pass process_group=<the group of ranks that hold the same model "
-                "and see different data> (the wrapper averages the fp32 window once per step). "
-                "independent_ranks=True if the ranks are meant to train apart (e.g. the stages "
-                "of a pipeline without data parallelism).")
+            raise RuntimeError(_RANK_LOCAL.format(world=world))
 
     def rank_local_window(self) -> tuple[int, int] | None:
         """(rank, world) when this rank's window is its own in a multi-rank job, else None."""
@@ -89,8 +100,16 @@ class LocalSync:
     def finish(self, found_inf: torch.Tensor) -> WindowTotals | None:
         return None
 
+    def agreed_totals(self) -> WindowTotals | None:
+        """The window's totals over the ranks, once ``finish`` agreed on them (else None)."""
+        return None
+
     def agree_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        return norm
+        return self.across_stages(norm)
+
+    def across_stages(self, norm: torch.Tensor) -> torch.Tensor:
+        """The norm of every pipeline stage's window (``clip_across_stages``), else ``norm``."""
+        return norm if self.stage_norm is None else self.stage_norm.agree(self, norm)
 
     def reset(self) -> None:
         pass
@@ -108,7 +127,10 @@ class GroupSync(LocalSync):
         super().__init__(independent_ranks=False)
         self.window, self.params = window, params
         self.reducer = WindowReducer(group, window.storage)
+        self.reducer.check_replicas(params)  # a group over other params or stages: refused
         self.reducer.broadcast_params(params)
+        self._totals: WindowTotals | None = None  # the window was reduced and agreed on
+        self._stale = False  # ... but a weight was reported after that
 
     @property
     def timeout_s(self) -> float:
@@ -129,8 +151,14 @@ class GroupSync(LocalSync):
         return False
 
     def backward_begins(self) -> None:
-        """A backward after the window's reduction started must reach it too."""
-        if self.reducer.started:
+        """A backward after the window's reduction started (or finished) must reach it too:
+        the sums become this rank's share (sum / world), summed again at the step."""
+        if self._totals is not None:
+            self._totals = None
+            world = self.reducer.world
+            for flat in self.window.storage.buffers.values():
+                flat.div_(world)
+        elif self.reducer.started:
             self.reducer.reopen()
 
     def bucket_moved(self, bucket, last_microbatch: bool) -> None:
@@ -138,23 +166,48 @@ class GroupSync(LocalSync):
         if last_microbatch:
             self.reducer.reduce_bucket(bucket)
 
+    def end_backward(self) -> bool:
+        """The sums this backward started are complete when it returns: what the caller writes
+        into ``p.grad`` next (pipelining's ``scale_grads``, a clip) must not race an
+        all-reduce reading and writing the same memory."""
+        if self.reducer.started:
+            self.reducer.settle()
+        return False
+
+    def weight_added(self) -> None:
+        if self._totals is not None:
+            self._stale = True
+
     def finish(self, found_inf: torch.Tensor) -> WindowTotals:
+        """Reduce the window and agree on it; again in the same window (the first wrapper of
+        ``clip_across_stages`` measures the others before they step), the same totals."""
         w = self.window
-        return self.reducer.finish(w.micro_steps, w.kept, w.local_weight(), found_inf,
-                                   w.held(self.params))
+        if self._totals is None:
+            self._totals = self.reducer.finish(w.micro_steps, w.kept, w.local_weight(),
+                                               found_inf, w.held(self.params))
+        elif self._stale:
+            self._totals = self.reducer.agree(w.micro_steps, w.kept, w.local_weight(),
+                                              found_inf, w.held(self.params))
+        self._stale = False
+        return self._totals
+
+    def agreed_totals(self) -> WindowTotals | None:
+        return self._totals
 
     def agree_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """No agreement needed: the window is reduced inside ``step()`` just before it is
         measured, so a rank's non-finite value reaches every rank through the sum."""
-        return norm
+        return self.across_stages(norm)
 
     def reset(self) -> None:
+        self._totals, self._stale = None, False
         self.reducer.reset()
 
     def rebind(self, window, params: list[torch.Tensor]) -> None:
         timeout = self.reducer.timeout_s
         self.window, self.params = window, params
         self.reducer = WindowReducer(self.reducer.group, window.storage, timeout_s=timeout)
+        self._totals, self._stale = None, False
 
 
 class DDPSync(LocalSync):
@@ -248,6 +301,9 @@ class DDPSync(LocalSync):
         if self.clean:
             self.stale = True
 
+    def agreed_totals(self) -> WindowTotals | None:
+        return self.totals if self.clean else None
+
     def _agree(self) -> WindowTotals:
         w = self.window
         totals = self.reducer.agree(w.micro_steps, w.kept, w.local_weight(), self.found_inf,
@@ -264,8 +320,10 @@ class DDPSync(LocalSync):
             self.totals = self.reducer.finish(w.micro_steps, w.kept, w.local_weight(), found_inf,
                                               w.held(self.params))
             self.totals.averaged = True
+            self.clean, self.stale = True, False  # reduced: a second call returns the same
         elif self.stale:
             self.totals = self._agree()
+            self.stale = False
         return self.totals
 
     def agree_norm(self, norm: torch.Tensor) -> torch.Tensor:
@@ -275,7 +333,8 @@ class DDPSync(LocalSync):
         bad = (~torch.isfinite(norm)).double().reshape(1)
         self.reducer.wait(dist.all_reduce(bad, group=self.ddp_group, async_op=True),
                           "non-finite check")
-        return norm if float(bad) == 0 else torch.full_like(norm, float("nan"))
+        return self.across_stages(norm if float(bad) == 0 else torch.full_like(norm,
+                                                                               float("nan")))
 
     def reset(self) -> None:
         self.totals = None
@@ -315,4 +374,104 @@ def ddp_sync_for(current, group, config, window, params, flush, found_inf) -> DD
             "accumulate_in_backward=True and a nonfinite policy other than "
             "'skip_microbatch' (DDP reduces each gradient during the backward, before a "
             "micro-batch could be dropped)")
-    return DDPSync(group, window, params, flush, found_inf)
+    sync = DDPSync(group, window, params, flush, found_inf)
+    sync.stage_norm = current.stage_norm  # (clip_across_stages before DDP was met)
+    return sync
+
+
+class StageNorm:
+    """The wrappers of one rank's pipeline stages measure the whole pipeline's norm together
+    (``accumkernels.integrations.pipelining.clip_across_stages``).
+
+    A wrapper's step measures its own window's norm (``agree_norm``); here it becomes the norm of
+    every stage's window on every rank of the pipeline ``group`` (as torchtitan clips: the sum of
+    squares over the stages, all-reduced over the pipeline group). A rank may hold several
+    stages, one wrapper each, stepped one after the other: the first of them to step measures
+    the others' windows too (each reduced over its data-parallel ranks and normalised as its
+    own step will do it; one read pass each), and one all-reduce of the rank's sum of squares
+    serves the round. A later wrapper of the round takes that total with its own share
+    measured again, from its window as it is at its step. A non-finite window anywhere makes
+    the norm non-finite on every stage, so every stage skips (or raises) together.
+    """
+
+    def __init__(self, faces: list, group, timeout_s: float = 300.0):
+        self.faces = [weakref.ref(f) for f in faces]
+        self.group = group
+        self.timeout_s = timeout_s
+        self._round: dict | None = None  # {"total": float, "shares": {k: float}, "due": set}
+
+    def agree(self, sync, norm: torch.Tensor) -> torch.Tensor:
+        faces = [ref() for ref in self.faces]
+        k = next((i for i, f in enumerate(faces) if f is not None and f._parts.sync is sync),
+                 None)
+        if k is None:  # (a wrapper no longer in the set)
+            return norm
+        factor = _factor(faces[k])
+        own = (float(norm) * factor) ** 2
+        rnd = self._round
+        if rnd is None or k not in rnd["due"]:
+            shares = {i: (own if i == k else _final_square(f)) for i, f in enumerate(faces)
+                      if f is not None}
+            total = torch.tensor([sum(shares.values())], dtype=torch.float64)
+            work = dist.all_reduce(total, group=self.group, async_op=True)
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"AccumulatingOptimizer: waited {self.timeout_s:g} s for the pipeline "
+                    "stages' norm (clip_across_stages): every rank of the pipeline group must "
+                    "step its stages' wrappers") from exc
+            rnd = self._round = {"total": float(total), "shares": shares,
+                                 "due": {i for i in shares if _due(faces[i])} | {k}}
+        rnd["due"].discard(k)
+        if not rnd["due"]:
+            self._round = None
+        square = rnd["total"] - rnd["shares"][k] + own
+        if not math.isfinite(square):
+            square = float("nan")
+        return torch.tensor(math.sqrt(max(square, 0.0)) / factor if math.isfinite(square)
+                            else square, dtype=norm.dtype, device=norm.device)
+
+
+def _due(face) -> bool:
+    """Whether the wrapper's next ``step()`` ends its window (it will take part in the round)."""
+    return face is not None and face.sync_step and not face._parts.window.empty
+
+
+def _target(parts, totals) -> float | None:
+    return parts.window.target_divisor(totals)
+
+
+def _factor(face) -> float:
+    """What the step still multiplies the measured norm by: the window holds sum / divisor, the
+    step uses sum / target (1.0 once it normalised)."""
+    parts = face._parts
+    target = _target(parts, parts.sync.agreed_totals())
+    return parts.window.divisor / target if target else 1.0
+
+
+def _final_square(face) -> float:
+    """The squared norm the wrapper's own step will measure, measured before it steps: its
+    window reduced over its data-parallel ranks and agreed on (``finish``, which its step then
+    finds done), normalised as the step normalises it. 0.0 for a window that will not step."""
+    if not _due(face):
+        return 0.0
+    from accumkernels.optim.nonfinite import grad_norm  # (nonfinite imports nothing of ours)
+    parts, intake = face._parts, face._intake
+    intake.take_in()
+    window, sync = parts.window, parts.sync
+    sync.check_world()
+    window.zero_untouched(parts.params, intake.views)
+    totals = sync.finish(parts.nonfinite.found_inf)
+    if totals is not None:
+        window.keep_only(parts.params, totals.touched)
+    kept = totals.kept if totals is not None else window.kept
+    target = _target(parts, totals)
+    if kept == 0 or not target:
+        return 0.0
+    views = [v for p, v in zip(parts.params, intake.views) if window.holds(p)]
+    square = (float(grad_norm(views)) * window.divisor / target) ** 2
+    outside = [p.grad for p in parts.outside.with_grad() if not p.grad.is_sparse]
+    if outside:
+        square += (float(grad_norm(outside)) / (parts.scaler.scale * target)) ** 2
+    return square

@@ -264,8 +264,16 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def torch_sd(sd: dict) -> dict:
-    """The torch optimizer state dict part (``state``, ``param_groups``) of a state dict."""
-    return {"state": sd["state"], "param_groups": sd["param_groups"]}
+    """The torch optimizer state dict part (``state``, ``param_groups``) of a state dict: the
+    wrapper's own entries (``param_groups[g]["accumkernels"]``, per-param keys starting with
+    ``accumkernels_``) removed, the rest as the wrapper wrote it."""
+    state = {}
+    for k, entry in sd["state"].items():
+        entry = {n: v for n, v in entry.items() if not str(n).startswith("accumkernels_")}
+        if entry:
+            state[k] = entry
+    groups = [{k: v for k, v in g.items() if k != "accumkernels"} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
 
 # -- loops shared by several contracts -------------------------------------------------------------

@@ -132,7 +132,9 @@ def test_distributed_checkpoint_state_dict(config: Config) -> None:
     """torch.distributed.checkpoint's get/set_optimizer_state_dict (one process, no group)."""
     n_model, native, model, opt = trained(config)
     osd = get_optimizer_state_dict(model, opt)
-    assert_same(osd, get_optimizer_state_dict(n_model, native), "get_optimizer_state_dict")
+    assert_same(torch_sd(osd), get_optimizer_state_dict(n_model, native),
+                "get_optimizer_state_dict")
+    assert all("accumkernels" in g for g in osd["param_groups"]), "the bookkeeping was dropped"
     a, b = fresh(config, n_model, "native"), fresh(config, model, "wrapper")
     # (a fresh optimizer has no state: DCP creates it with an lr=0 step on zero gradients)
     if same_outcome(lambda: set_optimizer_state_dict(*a, copy.deepcopy(osd)),
@@ -140,25 +142,26 @@ def test_distributed_checkpoint_state_dict(config: Config) -> None:
         continue_alike(config, a, b)
 
 
-def test_checkpoint_between_windows_carries_no_window() -> None:
-    """Between windows the wrapper's extra state is scalars, not an empty fp32 window."""
+def test_checkpoint_marks_the_window_empty_between_windows() -> None:
+    """Every key is always there (a template for dcp.load must hold what a saved state dict
+    brings); between windows the bookkeeping says the window is empty, and loading it leaves an
+    empty window."""
     config = next(c for c in DEFAULTS if c.name == "Adam")
     _, _, model, opt = trained(config, accumulation_steps=2)
     sd = opt.state_dict()
-    extra = [v for k, v in sd.items() if k not in ("state", "param_groups")]
-    tensors = []
-    pending = list(extra)
-    while pending:
-        v = pending.pop()
-        if torch.is_tensor(v):
-            tensors.append(v)
-        elif isinstance(v, dict):
-            pending += list(v.values())
-        elif isinstance(v, (list, tuple)):
-            pending += list(v)
-    n_params = sum(p.numel() for p in model.parameters())
-    assert sum(t.numel() for t in tensors) < n_params, \
-        f"{sum(t.numel() for t in tensors)} tensor elements besides state/param_groups"
+    assert set(sd) == {"state", "param_groups"}, sorted(sd)
+    own = sd["param_groups"][0]["accumkernels"]
+    assert "window" not in own and all(g["accumkernels"] == own for g in sd["param_groups"])
+    other = fresh(config, model, "wrapper")[1]
+    other.load_state_dict(copy.deepcopy(sd))
+    assert other.micro_steps == 0 and other._parts.window.empty
+    # mid-window: the window travels per param, in state
+    x = torch.randn(3, next(model.parameters()).shape[1])
+    model(x).square().mean().backward()
+    sd = opt.state_dict()
+    windows = [e["accumkernels_window"] for e in sd["state"].values()]
+    assert [w.shape for w in windows] == [p.shape for p in model.parameters()]
+    assert sd["param_groups"][0]["accumkernels"]["window"]["micro_steps"] == 1
 
 
 # -- the wrapper's own state and its versions ------------------------------------------------------
@@ -190,13 +193,17 @@ def test_something_that_is_no_optimizer_state_dict_is_a_clear_error():
         opt.load_state_dict({"weights": torch.ones(2)})
 
 
-def _version1(state: dict) -> dict:
-    """The checkpoint as the single-class wrapper (format version 1) wrote it."""
-    own = state["accumkernels"]
-    window = {k: v for k, v in own["window"].items() if k != "main_grad"}
+def _version1(opt) -> dict:
+    """The checkpoint as the single-class wrapper (format version 1) wrote it: the inner
+    optimizer's state dict under "optimizer", the flat fp32 buffer(s) as "main_grad"."""
+    state = opt.state_dict()
+    own = state["param_groups"][0]["accumkernels"]
+    window = dict(own["window"])
     old = {k: v for k, v in own.items() if k not in ("version", "param_shapes", "window")}
-    old["optimizer"] = {"state": state["state"], "param_groups": state["param_groups"]}
-    old["main_grad"] = own["window"]["main_grad"]
+    old["found_inf"] = torch.tensor([own["found_inf"]])
+    old["master_weights"] = []
+    old["optimizer"] = torch_sd(state)
+    old["main_grad"] = [t.clone() for t in opt._parts.window.storage.buffers.values()]
     old["window"] = dict(window, step_calls=1, unmoved=0, at_boundary=False)
     old["window"]["boundary_only"] = bool(window["boundary_only"])
     return old
@@ -211,7 +218,7 @@ def test_version1_checkpoint_loads_and_resumes_exactly():
         mse(model, x, y).backward()
         opt.step()
     buf = io.BytesIO()
-    torch.save(_version1(opt.state_dict()), buf)
+    torch.save(_version1(opt), buf)
     resumed = copy.deepcopy(model)
     opt2 = wrap_sgd(resumed, accumulation_steps=N)
     buf.seek(0)
@@ -229,12 +236,12 @@ def test_unknown_checkpoint_version_is_refused_and_changes_nothing():
     opt = wrap_sgd(model, accumulation_steps=2)
     mse(model, *batches(1, 4)[0]).backward()
     state = opt.state_dict()
-    before = [t.clone() for t in state["accumkernels"]["window"]["main_grad"]]
-    state["accumkernels"] = dict(state["accumkernels"], version=4)
-    with pytest.raises(ValueError, match="version 4"):
+    before = [p.main_grad.clone() for p in model.parameters()]
+    for group in state["param_groups"]:
+        group["accumkernels"] = dict(group["accumkernels"], version=99)
+    with pytest.raises(ValueError, match="version 99"):
         opt.load_state_dict(state)
-    assert all(torch.equal(a, b) for a, b in
-               zip(before, opt.state_dict()["accumkernels"]["window"]["main_grad"]))
+    assert all(torch.equal(a, p.main_grad) for a, p in zip(before, model.parameters()))
     assert opt.micro_steps == 1
 
 
@@ -256,7 +263,8 @@ def _train(model, opt, data):
 
 def _drop_window_key(key):
     def corrupt(state):
-        del state["accumkernels"]["window"][key]
+        for group in state["param_groups"]:
+            group["accumkernels"]["window"].pop(key, None)
         return state
     return corrupt
 
@@ -315,14 +323,15 @@ def test_state_of_other_shapes_with_the_same_padded_size_is_refused():
             opt.step()
         return opt
 
+    def window_sizes(opt):
+        return [e["accumkernels_window"].numel() for e in opt.state_dict()["state"].values()]
+
     src = build(nn.Linear(4, 8))
-    assert [t.shape for t in src.state_dict()["accumkernels"]["window"]["main_grad"]] \
-        == [torch.Size([64])]
+    assert window_sizes(src) == [32, 8]
     state = roundtrip(src.state_dict())
     model = nn.Linear(8, 4)
     opt = build(model)
-    assert [t.shape for t in opt.state_dict()["accumkernels"]["window"]["main_grad"]] \
-        == [torch.Size([64])]
+    assert window_sizes(opt) == [32, 4]
     before = checksum(opt, model)
     with pytest.raises(ValueError):
         opt.load_state_dict(state)

@@ -42,10 +42,15 @@ def test_master_weights_keep_sub_ulp_updates():
             opt.step()
             opt.zero_grad()
             values.append(w.detach().clone())
-        return values, inner
+        return values, (inner, opt, w)
 
-    values, inner = run(True, 2)
-    assert all(p.dtype == torch.float32 for g in inner.param_groups for p in g["params"])
+    values, (inner, opt, w) = run(True, 2)
+    # the inner optimizer's groups (and state) hold the model param, as checkpoint tools need;
+    # it steps the fp32 master, and its state of that param is fp32
+    assert [p for g in inner.param_groups for p in g["params"]] == [w]
+    assert [m.dtype for m in opt.master_params] == [torch.float32]
+    assert all(v.dtype == torch.float32 for v in inner.state[w].values()
+               if torch.is_tensor(v) and v.is_floating_point() and v.dim())
     assert torch.equal(values[0], w0)  # 0.3 ulp: below half an ulp, the bf16 param is unchanged
     assert torch.equal(values[1], (w0.float() + away * ulp).to(torch.bfloat16))  # 0.6 ulp: +1 ulp
     plain, _ = run(False, 6)

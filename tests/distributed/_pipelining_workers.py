@@ -1,0 +1,347 @@
+"""Rank processes for test_pipelining.py: every ``torch.distributed.pipelining`` schedule, native
+and with one AccumulatingOptimizer per stage, on spawned gloo ranks (see _spawn.py: a FileStore,
+a deadline per run, the result written before teardown, a barrier, ``os._exit``).
+
+The model: a 4-layer MLP (16 -> 32 -> 32 -> 32 -> 4, Tanh between), the same init on every rank
+(seeded), split into 2 stages (one per rank: GPipe, 1F1B) or 4 stages (two per rank: the looped
+schedules round-robin, the V schedules ZBVZeroBubble and DualPipeV in a V). Every schedule step
+runs N_MB = 4 micro-batches of MICRO samples; the data is the same on every rank (only stage 0
+reads the input, only the last stage the target).
+
+The target carries a per-sample weight column ``m`` (1, or 0/1 for the weighted runs): the loss is
+``((out - y)**2 * m).mean()`` (or ``.sum()`` for ``reduction="weighted"``), so a native reference
+can drop a micro-batch exactly (``m = 0``: its gradient is exactly 0) where the wrapper drops a
+non-finite one.
+
+A run returns, per local stage index: the params after STEPS schedule steps (float64 copies of
+the exact values) and the wrapper's counters. One process launch runs every case of a scenario
+(start-up of the ranks dominates the time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from _spawn import run_scenario, spawn_ranks
+
+N_MB = 4  # micro-batches per schedule step (= accumulation_steps)
+MICRO = 4  # samples per micro-batch
+STEPS = 3  # schedule steps (optimizer steps) per run
+LR = 1e-2
+WIDTHS = (16, 32, 32, 32, 4)
+NAN_STEP, NAN_MB = 1, 2  # where the non-finite micro-batch sits (a middle one of a middle step)
+LOSS_SCALE = 1024.0
+CLIP = 0.05  # below every window's whole-model norm: clipping always takes effect
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+             "ZBVZeroBubble", "DualPipeV", "CustomCSV")
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "CustomCSV")
+
+
+# -- the model, its stages and the data -----------------------------------------------------------
+def layers(dtype: torch.dtype = torch.float32) -> list[torch.nn.Linear]:
+    torch.manual_seed(0)
+    return [torch.nn.Linear(a, b).to(dtype) for a, b in zip(WIDTHS, WIDTHS[1:])]
+
+
+def stage_module(index: int, num_stages: int, dtype: torch.dtype) -> torch.nn.Module:
+    """Stage ``index`` of ``num_stages`` (2 or 4) of the MLP; Tanh after every Linear but the
+    last one."""
+    all_layers = layers(dtype)
+    per = len(all_layers) // num_stages
+    mods: list[torch.nn.Module] = []
+    for k in range(index * per, (index + 1) * per):
+        mods.append(all_layers[k])
+        if k < len(all_layers) - 1:
+            mods.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*mods)
+
+
+def stage_indices(schedule: str, pp_rank: int, pp_size: int) -> tuple[list[int], int]:
+    """The stage indices this pipeline rank holds (in the order the schedule wants) and the
+    number of stages."""
+    if schedule in ("GPipe", "1F1B"):
+        return [pp_rank], pp_size
+    num = 2 * pp_size
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):  # V: rank r holds r and 2P-1-r
+        return [pp_rank, num - 1 - pp_rank], num
+    return [pp_rank, pp_rank + pp_size], num  # looped: round-robin
+
+
+def batch(step: int, dtype: torch.dtype = torch.float32, *, nan: bool = False,
+          mask_nan_mb: bool = False, weighted: bool = False):
+    """(x, target) of one schedule step: N_MB * MICRO samples; target = [y | m]."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(N_MB * MICRO, WIDTHS[0], generator=g)
+    y = torch.randn(N_MB * MICRO, WIDTHS[-1], generator=g)
+    if weighted:
+        m = (torch.rand(N_MB * MICRO, 1, generator=g) < 0.6).float()
+        m[::MICRO] = 1.0  # every micro-batch has a weight > 0
+    else:
+        m = torch.ones(N_MB * MICRO, 1)
+    rows = slice(NAN_MB * MICRO, (NAN_MB + 1) * MICRO)
+    if nan:
+        x[rows.start + 1, 3] = float("nan")
+    if mask_nan_mb:
+        m[rows] = 0.0
+    return x.to(dtype), torch.cat([y, m], dim=1)
+
+
+def micro_weights(target: torch.Tensor) -> list[float]:
+    """What a loader reports per micro-batch for ``reduction="weighted"``: its valid elements."""
+    return [float(c[:, -1].sum()) * WIDTHS[-1] for c in target.tensor_split(N_MB)]
+
+
+def make_loss(kind: str = "mean", scale: float = 1.0):
+    def loss_fn(out, target):
+        y, m = target[:, :-1], target[:, -1:]
+        sq = (out.float() - y) ** 2 * m
+        loss = sq.sum() if kind == "sum" else sq.mean()
+        return loss * scale if scale != 1.0 else loss
+    return loss_fn
+
+
+def snapshot(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().double().clone() for p in module.parameters()]
+
+
+# -- one pipeline run -------------------------------------------------------------------------------
+def build_schedule(schedule: str, stages, loss_fn, scale_grads: bool):
+    from torch.distributed import pipelining as pp
+    from torch.distributed.pipelining import schedules as sch
+    kw = {"n_microbatches": N_MB, "loss_fn": loss_fn, "scale_grads": scale_grads}
+    if schedule in ("GPipe", "1F1B"):
+        cls = pp.ScheduleGPipe if schedule == "GPipe" else pp.Schedule1F1B
+        return cls(stages[0], **kw)
+    if schedule == "CustomCSV":
+        return custom_schedule(stages, kw)
+    cls = {"Interleaved1F1B": pp.ScheduleInterleaved1F1B, "LoopedBFS": pp.ScheduleLoopedBFS,
+           "InterleavedZeroBubble": pp.ScheduleInterleavedZeroBubble,
+           "ZBVZeroBubble": pp.ScheduleZBVZeroBubble, "DualPipeV": pp.ScheduleDualPipeV}[schedule]
+    assert cls is sch.get_schedule_class(schedule)
+    return cls(stages, **kw)
+
+
+def custom_actions(pp_size: int) -> list[list[str]]:
+    """A compute-only action list (torchtitan's ``pipeline_parallel_schedule_csv``) for 2 stages
+    per rank, round-robin: LoopedBFS's order, with some backwards split into an input pass
+    (``I``) and a weight pass (``W``) deferred to the end, mixed with full ones (``B``)."""
+    rows = []
+    for r in range(pp_size):
+        lo, hi = r, r + pp_size
+        row = [f"{lo}F{m}" for m in range(N_MB)] + [f"{hi}F{m}" for m in range(N_MB)]
+        deferred = []
+        for stage in (hi, lo):
+            for m in reversed(range(N_MB)):
+                if (m + stage) % 2:
+                    row.append(f"{stage}B{m}")
+                else:
+                    row.append(f"{stage}I{m}")
+                    deferred.append(f"{stage}W{m}")
+        rows.append(row + deferred)
+    return rows
+
+
+def custom_schedule(stages, kw):
+    """``_PipelineScheduleRuntime`` loading a compute-only CSV: how torchtitan runs a custom
+    schedule (torch 2.13 has no public constructor for an action list)."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    sched = _PipelineScheduleRuntime(stages, **kw)
+    fd, path = tempfile.mkstemp(suffix=".csv")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            csv.writer(f).writerows(custom_actions(stages[0].group_size))
+        sched._load_csv(path, format="compute_only")
+    finally:
+        os.unlink(path)
+    return sched
+
+
+def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
+                 wrapper: dict | None = None, dtype=torch.float32, loss: str = "mean",
+                 loss_scale: float = 1.0, scale_grads: bool = True, nan: bool = False,
+                 mask_nan_mb: bool = False, native_skip_nan_step: bool = False,
+                 weighted: bool = False, native_divide_by_weight: bool = False,
+                 dp_group=None, native_dp_average: bool = False, ddp: bool = False,
+                 clip: float | None = None, native_clip_across: bool = False,
+                 stage_norm: bool = False, steps: int = STEPS) -> dict:
+    """STEPS schedule steps; returns {stage index: {"params": [...], counters...}} and, on the
+    optimizer step that raised, the exception."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from accumkernels import AccumulatingOptimizer
+    from accumkernels.integrations.pipelining import accumulate_weight_passes
+
+    indices, num_stages = stage_indices(schedule, pp_rank, pp_size)
+    mods = [stage_module(i, num_stages, dtype) for i in indices]
+    submods = mods
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        submods = [DDP(m, process_group=dp_group) for m in mods]
+    stages = [PipelineStage(s, i, num_stages, torch.device("cpu"), group=pp_group)
+              for s, i in zip(submods, indices)]
+    opts = []
+    for m, s in zip(mods, submods):
+        inner = torch.optim.AdamW(m.parameters(), lr=LR)
+        if wrapper is None:
+            opts.append(inner)
+            continue
+        kw = dict(wrapper)
+        if ddp:
+            kw["model"] = s
+        elif dp_group is not None:
+            kw["process_group"] = dp_group
+        else:
+            kw.setdefault("independent_ranks", True)
+        if loss_scale != 1.0:
+            kw["loss_scale"] = loss_scale
+        if clip is not None:
+            kw["max_grad_norm"] = clip
+        opts.append(AccumulatingOptimizer(inner, **kw))
+    if wrapper is not None:
+        accumulate_weight_passes(stages)  # the README's one line
+        if stage_norm:
+            from accumkernels.integrations.pipelining import clip_across_stages
+            clip_across_stages(opts, group=pp_group)
+    sched = build_schedule(schedule, stages, make_loss("sum" if weighted else loss, loss_scale),
+                           scale_grads)
+    out: dict = {"raised": {}, "norms": []}
+    for step in range(steps):
+        x, target = batch(step, dtype, nan=nan and step == NAN_STEP,
+                          mask_nan_mb=mask_nan_mb and step == NAN_STEP, weighted=weighted)
+        if weighted and wrapper is not None:
+            for opt in opts:
+                for w in micro_weights(target):
+                    opt.add_weight(w)
+        sched.step(x, target=target)
+        if wrapper is None:
+            native_boundary(mods, opts, step, target, native_skip_nan_step=native_skip_nan_step,
+                            native_divide_by_weight=native_divide_by_weight and weighted,
+                            dp_group=dp_group if native_dp_average else None, clip=clip,
+                            pp_group=pp_group if native_clip_across else None, out=out)
+            continue
+        for i, opt in zip(indices, opts):
+            try:
+                opt.step()
+            except FloatingPointError as exc:
+                out["raised"].setdefault(i, []).append((step, str(exc)))
+                opt.reset_window()
+            opt.zero_grad()
+        if clip is not None:
+            out["norms"].append([float(o.last_grad_norm) for o in opts])
+    for i, m, opt in zip(indices, mods, opts):
+        out[i] = {"params": snapshot(m)}
+        if wrapper is not None:
+            out[i].update(skipped_steps=opt.skipped_steps,
+                          skipped_microbatches=opt.skipped_microbatches,
+                          micro_steps=opt.micro_steps)
+    return out
+
+
+@torch.no_grad()
+def native_boundary(mods, opts, step, target, *, native_skip_nan_step, native_divide_by_weight,
+                    dp_group, clip, pp_group, out):
+    """What a native loop does between ``schedule.step`` and ``optimizer.step``."""
+    params = [p for m in mods for p in m.parameters() if p.grad is not None]
+    if native_divide_by_weight:
+        inv = 1.0 / sum(micro_weights(target))
+        for p in params:
+            p.grad.mul_(inv)
+    if dp_group is not None:  # data parallel without DDP: average .grad over the replicas
+        world = dist.get_world_size(dp_group)
+        for p in params:
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad.div_(world)
+    if clip is not None:  # torchtitan: the norm of every stage's gradients, over the PP group
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if pp_group is not None or dist.is_initialized():
+            norm = norm ** 2
+            dist.all_reduce(norm, group=pp_group)
+            norm = norm ** 0.5
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        out["norms"].append(float(norm))
+    if not (native_skip_nan_step and step == NAN_STEP):
+        for opt in opts:
+            opt.step()
+    for opt in opts:
+        opt.zero_grad()
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+def schedules_fp32(rank: int, world: int, schedules=SCHEDULES) -> dict:
+    """Every schedule: native references and the wrapper's cases, fp32 and bf16."""
+    results = {}
+    for name in schedules:
+        run = lambda **kw: run_pipeline(name, pp_rank=rank, pp_size=world, **kw)  # noqa: E731
+        r = results[name] = {}
+        r["native"] = run()
+        r["sum_n"] = run(wrapper={"accumulation_steps": N_MB})
+        r["sum_none"] = run(wrapper={})
+        r["mean_n"] = run(wrapper={"accumulation_steps": N_MB, "reduction": "mean"},
+                          scale_grads=False)
+        r["mean_none"] = run(wrapper={"reduction": "mean"}, scale_grads=False)
+        r["loss_scale"] = run(wrapper={"accumulation_steps": N_MB}, loss_scale=LOSS_SCALE)
+        r["native_weighted"] = run(weighted=True, scale_grads=False,
+                                   native_divide_by_weight=True)
+        r["weighted_n"] = run(wrapper={"accumulation_steps": N_MB, "reduction": "weighted"},
+                              weighted=True, scale_grads=False)
+        r["weighted_none"] = run(wrapper={"reduction": "weighted"}, weighted=True,
+                                 scale_grads=False)
+        r["native_skip_step"] = run(native_skip_nan_step=True)
+        r["skip_step"] = run(wrapper={"accumulation_steps": N_MB}, nan=True)
+        r["skip_step_none"] = run(wrapper={}, nan=True)
+        r["native_masked"] = run(mask_nan_mb=True)
+        r["skip_microbatch"] = run(wrapper={"accumulation_steps": N_MB,
+                                            "nonfinite": "skip_microbatch"}, nan=True)
+        r["raise"] = run(wrapper={"accumulation_steps": N_MB, "nonfinite": "raise"}, nan=True,
+                         steps=NAN_STEP + 1)
+        r["native_bf16"] = run(dtype=torch.bfloat16)
+        r["bf16"] = run(wrapper={"accumulation_steps": N_MB}, dtype=torch.bfloat16)
+    return results
+
+
+SCENARIOS = {"schedules": schedules_fp32}
+
+
+def _rank_main(rank: int, out_dir: str, scenario: str, kwargs: dict) -> None:
+    world = kwargs.pop("world")
+    torch.set_num_threads(1)  # tiny ops on a few shared cores: intra-op threads only contend
+    run_scenario(rank, out_dir, world, lambda: SCENARIOS[scenario](rank, world, **kwargs))
+
+
+def run_ranks(tmp_path, scenario: str, world: int = 2, timeout: float = 150.0,
+              **kwargs) -> list:
+    """Run ``scenario`` on ``world`` spawned gloo ranks; each rank's result, rank order."""
+    return spawn_ranks(_rank_main, str(tmp_path), scenario, {"world": world, **kwargs}, world,
+                       timeout)
+
+
+if __name__ == "__main__":  # quick manual run: python _pipelining_workers.py [schedule...]
+    import sys
+    import time
+    t = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        names = tuple(sys.argv[1:]) or SCHEDULES
+        res = run_ranks(tmp, "schedules", schedules=names)
+    print(f"{time.time() - t:.1f} s")
+    with contextlib.suppress(Exception):
+        for name in names:
+            for rank, rr in enumerate(res):
+                r = rr[name]
+                native = r["native"]
+                for case, v in r.items():
+                    if case.startswith("native"):
+                        continue
+                    stages = [k for k in v if isinstance(k, int)]
+                    eq = all(all(torch.equal(a, b) for a, b in zip(v[s]["params"],
+                                                                   native[s]["params"]))
+                             for s in stages)
+                    print(name, rank, case, "equal-native" if eq else "differs",
+                          {s: (v[s].get("skipped_steps"), v[s].get("skipped_microbatches"))
+                           for s in stages}, v["raised"])
