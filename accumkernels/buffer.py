@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from accumkernels.backends import validate
-from accumkernels.ops import LaunchPlan, _accumulate_slots, accumulate_
+from accumkernels.ops import _accumulate_slots, accumulate_
+from accumkernels.plan import LaunchPlan
 
 __all__ = ["Bucket", "MasterGradBuffer"]
 

@@ -10,13 +10,13 @@ Under tracing (torch.compile, FakeTensorMode, make_fx, functorch) the call goes 
 op ``torch.ops.accumkernels.accumulate_``, whose schema declares that it mutates ``dst``,
 ``found_inf`` and ``norm_sq``. Its fake implementation checks what needs no data (shapes, dtypes,
 devices); its real implementation is the eager path, so compiled code gets the same memory checks
-as eager.
+as eager. ``LaunchPlan`` (plan.py) is this op with the dst side checked once, for a bucket.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from accumkernels import backends
 from accumkernels.backends import native, validate
 from accumkernels.backends.validate import CHECK_AUTOGRAD, CHECK_INFERENCE, fail
 
-__all__ = ["LaunchPlan", "accumulate_", "available_backends", "call_layers"]
+__all__ = ["accumulate_", "available_backends"]
 
 # The smallest double that float32 rounds to inf: a finite Python scale at or above it is not.
 _FP32_OVERFLOW = 2.0**128 - 2.0**103
@@ -230,6 +230,11 @@ def _flags() -> int:
             | (0 if _inference_mode() else CHECK_INFERENCE))
 
 
+def _plain_eager() -> bool:
+    """No compiler, dispatch mode (FakeTensorMode, make_fx) or functorch transform is active."""
+    return not (_is_compiling() or _dispatch_modes() or _functorch_active())
+
+
 def _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, device, norm_sq=None,
          norm_slots=None) -> None:
     """The op on real tensors: check everything, bump versions, compute. ``norm_slots``: where
@@ -278,186 +283,3 @@ def _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend, norm_
     backends.get(backend).accumulate(dst, src, scale, scale_tensor, overwrite, found_inf,
                                      norm_sq, slots)
 
-
-def call_layers(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale: float = 1.0, *,
-                overwrite: bool = False, backend: str = "auto") -> dict[str, Callable[[], None]]:
-    """The layers of one ``accumulate_`` call as callables, for host-overhead benchmarks.
-
-    Each does the whole call's work from its layer down: ``"accumulate_"`` the public call;
-    ``"custom_op"`` the torch.library op (the path compiled graphs take; eager calls skip its
-    dispatcher); ``"backend"`` the op's implementation (checks, version bumps, launch);
-    ``"binding"`` the extension's entry point alone (with the C++ tensor reader: checks and
-    launch in one call; without: the launch on addresses marshalled once, up front). Backends
-    other than ``cpu``/``cuda`` have no ``"binding"``.
-    """
-    dst, src = list(dst), list(src)
-    device = dst[0].device
-    name = backends.resolve(backend, device)
-    layers: dict[str, Callable[[], None]] = {
-        "accumulate_": lambda: accumulate_(dst, src, scale, overwrite=overwrite, backend=backend),
-        "custom_op": lambda: torch.ops.accumkernels.accumulate_(dst, src, scale, None, overwrite,
-                                                                None, name),
-        "backend": lambda: _run(dst, src, scale, None, overwrite, None, name, device),
-    }
-    if name in native.KERNELS:
-        if native.READER:
-            layers["binding"] = lambda: native.run(dst, src, scale, None, overwrite, None,
-                                                   _flags(), name, device)
-        else:
-            layers["binding"] = native.prepared_launch(dst, src, scale, overwrite)
-    return layers
-
-
-def _plain_eager() -> bool:
-    """No compiler, dispatch mode (FakeTensorMode, make_fx) or functorch transform is active."""
-    return not (_is_compiling() or _dispatch_modes() or _functorch_active())
-
-
-class LaunchPlan:
-    """``accumulate_`` into a fixed list of dst tensors, checked once; launches check only src.
-
-    The dst side (dtypes, devices, contiguity, no overlap, sizes) is read and checked when the
-    plan is built, so a launch reads each src once and makes one call into the extension. Give
-    ``keys`` (objects naming each dst, e.g. the params the dst belong to) to launch on a subset
-    of the dst in any order. ``owner``, a tensor every dst is a view of (found by itself when the
-    dst are views of one ``_base``), lets a launch bump one version counter instead of one per
-    dst, and check one ``requires_grad`` (the dst must not be made to require grad on their
-    own). The plan holds the dst tensors. Each launch first checks that their memory has not
-    moved (one look at the owner's address; without an owner, at each launched dst's): after a
-    move (``share_memory_``, a storage resized or swapped) it reads the dst again and launches on
-    the new addresses, or raises ValueError, with nothing written, if a dst no longer lies in
-    the owner's memory or no longer qualifies. With an owner, a dst view given other memory on
-    its own (``view.data = t``) is not seen (the write lands in the owner's memory, which stays
-    valid). Without the extension's tensor reader, or for backends other than ``cpu``/``cuda``,
-    a launch is a plain ``accumulate_``.
-
-    A launch's ``norm_sq`` (optional, see ``accumulate_``) is a float32 vector of ``norm_size``
-    elements (default: one per dst); the squared norm of ``dst[i]`` goes to element
-    ``norm_slots[i]`` (default: ``i``), and a launch writes only the elements of the dst it
-    writes, the others keep their values.
-    """
-
-    def __init__(self, dst: Sequence[torch.Tensor], *, keys: Sequence | None = None,
-                 owner: torch.Tensor | None = None, backend: str = "auto",
-                 norm_slots: Sequence[int] | None = None, norm_size: int | None = None):
-        dst = list(_as_list("dst", dst))
-        _check_backend(backend)
-        self.norm_slots, self.norm_size = _plan_norm_slots(len(dst), norm_slots, norm_size)
-        if keys is not None:
-            keys = list(keys)
-            if len(keys) != len(dst) or len({id(k) for k in keys}) != len(keys):
-                raise ValueError("LaunchPlan: keys must name each dst once")
-        for i, d in enumerate(dst):
-            validate.check_plain(f"dst[{i}]", d)
-            validate.check_dst(i, d, dst[0].device)
-        if owner is None and dst and dst[0]._base is not None \
-                and all(d._base is dst[0]._base for d in dst):
-            owner = dst[0]._base  # views of one tensor share its version counter
-        self.dst, self.keys, self.owner = dst, keys, owner
-        self.device = dst[0].device if dst else torch.device("cpu")
-        self.backend = backends.resolve(backend, self.device)
-        self._slot_of: dict[int, int] | None = None
-        self._native = None
-        if native.READER and self.backend in native.KERNELS and dst:
-            inference = owner.is_inference() if owner is not None else any(
-                d.is_inference() for d in dst)
-            plan = native.make_plan(dst, keys, owner, inference,
-                                    None if norm_slots is None else self.norm_slots,
-                                    self.norm_size)
-            if isinstance(plan, tuple):
-                if plan[0] != "slow":
-                    validate.raise_failure(plan, dst, dst, None, None)
-            else:
-                self._native = plan
-
-    def __len__(self) -> int:
-        return len(self.dst)
-
-    def __call__(self, src: Sequence[torch.Tensor], scale: float | torch.Tensor = 1.0, *,
-                 keys: Sequence | None = None, overwrite: bool = False,
-                 found_inf: torch.Tensor | None = None,
-                 norm_sq: torch.Tensor | None = None) -> None:
-        """``dst_k = (0 if overwrite else dst_k) + scale * src[k]`` where ``dst_k`` is the dst of
-        ``keys[k]`` (without keys: ``dst[k]``, and src covers every dst); with ``norm_sq``, its
-        element ``norm_slots[j]`` = the squared norm of each written ``dst[j]``. A key that is not
-        one of the plan's raises KeyError (before anything is written)."""
-        src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf, norm_sq)
-        if keys is not None and len(keys) != len(src):
-            fail(ValueError, f"dst has {len(keys)} tensors but src has {len(src)}")
-        if keys is None and len(src) != len(self.dst):
-            fail(ValueError, f"dst has {len(self.dst)} tensors but src has {len(src)}")
-        if self._native is not None and _plain_eager():
-            failed = native.run_plan(self._native, keys, src, value, scale_tensor, overwrite,
-                                     found_inf, _flags(), self.backend, self.device, norm_sq)
-            if failed is None:
-                return
-            if failed[0] == "plan_stale":
-                self._raise_stale(failed)
-            if failed[0] not in ("slow", "not_member"):
-                validate.raise_failure(failed, self._select(keys), src, scale_tensor, found_inf,
-                                       norm_sq, self.norm_size)
-        if norm_sq is None:
-            accumulate_(self._select(keys), src, scale, overwrite=overwrite, found_inf=found_inf,
-                        backend=self.backend)
-            return
-        positions = self._positions(keys)
-        if self.dst:
-            validate.check_norm_sq(norm_sq, self.norm_size, self.device)
-        _accumulate_slots([self.dst[i] for i in positions], src, scale, overwrite, found_inf,
-                          norm_sq, [self.norm_slots[i] for i in positions], self.backend)
-
-    def layers(self, src: Sequence[torch.Tensor], scale: float = 1.0, *,
-               keys: Sequence | None = None,
-               overwrite: bool = False) -> dict[str, Callable[[], None]]:
-        """A launch's layers as callables, for host-overhead benchmarks: ``"plan"`` the call,
-        ``"plan_binding"`` the extension's entry point alone (absent without the C++ plan)."""
-        layers = {"plan": lambda: self(src, scale, keys=keys, overwrite=overwrite)}
-        if self._native is not None:
-            layers["plan_binding"] = lambda: native.run_plan(
-                self._native, keys, src, scale, None, overwrite, None, _flags(), self.backend,
-                self.device)
-        return layers
-
-    def _raise_stale(self, failed: tuple) -> None:
-        """A dst moved since the plan read it and, read again, breaks a rule: nothing written."""
-        _, i, why = failed
-        if why == 1:
-            validate.check_dst(i, self.dst[i], self.device)
-        reason = {0: "no longer lies in the memory of the plan's owner (it is not a view of it "
-                     "any more)",
-                  2: "now overlaps another dst in memory"}.get(why, "cannot be used any more")
-        fail(ValueError, f"LaunchPlan: dst[{i}] moved since the plan was built and {reason}; "
-             "nothing was written; build a new plan")
-
-    def _select(self, keys: Sequence | None) -> list[torch.Tensor]:
-        return self.dst if keys is None else [self.dst[i] for i in self._positions(keys)]
-
-    def _positions(self, keys: Sequence | None) -> list[int]:
-        """The dst index of each key (without keys: every dst)."""
-        if keys is None:
-            return list(range(len(self.dst)))
-        if self._slot_of is None:
-            self._slot_of = {id(k): i for i, k in enumerate(self.keys or ())}
-        try:
-            return [self._slot_of[id(k)] for k in keys]
-        except KeyError:
-            raise KeyError("LaunchPlan: a key is not one of this plan's keys") from None
-
-
-def _plan_norm_slots(n: int, slots: Sequence[int] | None,
-                     size: int | None) -> tuple[list[int], int]:
-    """A plan's norm_sq layout: (the element of each dst, the elements), checked."""
-    if size is None:
-        size = n
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"LaunchPlan: norm_size must be an int >= 0, got {size!r}")
-    if slots is None:
-        if size != n:
-            raise ValueError("LaunchPlan: a norm_size other than len(dst) needs norm_slots")
-        return list(range(n)), size
-    slots = list(slots)
-    if len(slots) != n or any(isinstance(s, bool) or not isinstance(s, int) for s in slots) \
-            or len(set(slots)) != n or not all(0 <= s < size for s in slots):
-        raise ValueError(f"LaunchPlan: norm_slots must give each dst a distinct int in "
-                         f"[0, {size})")
-    return slots, size

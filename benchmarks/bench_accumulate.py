@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-import accumbench as bench
+from benchmarks import accumbench as bench
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.type == "cuda"

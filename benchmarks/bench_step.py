@@ -63,12 +63,12 @@ import torch
 
 import accumkernels
 from accumkernels.backends import native
-from accumbench.env import default_out_path, environment
-from accumbench.measure import quantiles
-from accumbench.report import json_safe
-from accumbench.step_report import add_ratios, format_table
-from accumbench.tally import TrafficTally
-from accumbench.workloads import Shape, gpt2_124m_shapes, gpt2_shapes
+from benchmarks.accumbench.env import default_out_path, environment
+from benchmarks.accumbench.measure import quantiles
+from benchmarks.accumbench.report import json_safe
+from benchmarks.accumbench.step_report import add_ratios, format_table
+from benchmarks.accumbench.tally import TrafficTally
+from benchmarks.accumbench.workloads import Shape, gpt2_124m_shapes, gpt2_shapes
 
 LR = 1e-4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

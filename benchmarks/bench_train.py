@@ -1,6 +1,6 @@
 """End-to-end training: one large batch vs gradient accumulation (the classic single-GPU table).
 
-    python benchmarks/bench_train.py [--device cuda] [--model gpt2|llama] [--quick] [--out PATH]
+    python -m benchmarks.bench_train [--device cuda] [--model gpt2|llama] [--quick] [--out PATH]
 
 Reproduces the table of Hugging Face's efficient-training guide (batch 4 vs batch 1 x 4
 accumulation steps: time, samples/second, peak GPU memory) with a plain loop that means what
@@ -48,9 +48,9 @@ from pathlib import Path
 import torch
 
 import accumkernels
-from accumbench.env import default_out_path, environment
-from accumbench.report import json_safe
-from accumbench.tally import LiveTensorBytes
+from benchmarks.accumbench.env import default_out_path, environment
+from benchmarks.accumbench.report import json_safe
+from benchmarks.accumbench.tally import LiveTensorBytes
 
 FOOTNOTE = ("err hooks: vs the float64 sum of the bf16 gradients the row itself accumulated; "
             "err recomp: vs recomputed bf16 gradients\n(large batch: a different computation; "

@@ -1,6 +1,6 @@
 """Fused weight-gradient accumulation (fuse_wgrad_accumulation) vs the unfused wrapper.
 
-    python benchmarks/bench_wgrad.py [--device cuda] [--quick] [--out PATH]
+    python -m benchmarks.bench_wgrad [--device cuda] [--quick] [--out PATH]
 
 Model: GPT-2 MLP block(s) (Linear(d, 4d), GELU, Linear(4d, d); d=768 on GPU) in bf16, 4096
 tokens per micro-batch on GPU. Each provider runs windows of N micro-batches (forward + backward
@@ -40,8 +40,8 @@ import torch
 
 import accumkernels
 from accumkernels import wgrad
-from accumbench.cli import default_out_path, environment
-from accumbench.workloads import mlp_stack
+from benchmarks.accumbench.env import default_out_path, environment
+from benchmarks.accumbench.workloads import mlp_stack
 
 PROVIDERS = ("native_bf16", "unfused", "fused")
 

@@ -1,6 +1,6 @@
 """Per-micro-batch cost and peak memory of AccumulatingOptimizer vs native accumulation.
 
-    python benchmarks/bench_wrapper.py [--device cuda] [--quick] [--out PATH]
+    python -m benchmarks.bench_wrapper [--device cuda] [--quick] [--out PATH]
 
 Model: a stack of GPT-2 MLP blocks (Linear(d, 4d), GELU, Linear(4d, d)) in bf16. Each provider
 runs windows of N micro-batches (forward + backward + moving the gradients; no optimizer step),
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 import accumkernels
-from accumbench.cli import default_out_path, environment
-from accumbench.workloads import mlp_stack
+from benchmarks.accumbench.env import default_out_path, environment
+from benchmarks.accumbench.workloads import mlp_stack
 
 PROVIDERS = ("native_bf16", "main_grad_loop", "accumkernels")
 

@@ -1,6 +1,6 @@
 """find_micro_batch_size on a real model, up to a real out-of-memory error.
 
-    python benchmarks/find_batch.py [--global-batch 256] [--candidates 4,8,16,32,64,128,256]
+    python -m benchmarks.find_batch [--global-batch 256] [--candidates 4,8,16,32,64,128,256]
                                     [--out PATH]
 
 GPT-2 small (bench_train.make_model: bf16, seq 1024 on GPU; a tiny one on the CPU) wrapped in
@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 import torch
-from accumbench.env import default_out_path, environment
-from accumbench.report import json_safe
-from bench_train import make_model
 
 import accumkernels
+from benchmarks.accumbench.env import default_out_path, environment
+from benchmarks.accumbench.report import json_safe
+from benchmarks.bench_train import make_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,8 +33,8 @@ export PYTHONUNBUFFERED=1 ACCUMKERNELS_GIT_COMMIT=${ACCUMKERNELS_GIT_COMMIT:-}
 SUMMARY=()
 DATE=$(date -u +%F)
 SLUG=unknown-gpu
-TEST_FILES=(tests/test_accumulate.py tests/test_cuda_graphs.py tests/test_wgrad.py
-            tests/test_triton_backend.py tests/test_native_build.py)
+TEST_FILES=(tests/op/test_accumulate.py tests/op/test_cuda_graphs.py tests/wgrad/test_wgrad.py
+            tests/op/test_triton_backend.py tests/op/test_native_build.py)
 
 # stage NAME CAP_SECONDS CMD...: run CMD with a time limit, its output also in $STAGES/NAME.log
 stage() {
@@ -129,17 +129,17 @@ sanitize_tool() {
     return 0
   fi
   stage "$name" "$cap" env "$@" "$cs" --tool "$tool" --kernel-name kns=accumulate \
-    --print-limit 20 --error-exitcode 9 "$PY" benchmarks/sanitize_cases.py
+    --print-limit 20 --error-exitcode 9 "$PY" -m benchmarks.sanitize_cases
   if ! grep -q "ERROR SUMMARY" "$STAGES/$name.log" && ! grep -q "TIMED OUT" <<<"${SUMMARY[-1]}"; then
     stage "$name-unfiltered" "$cap" env "$@" "$cs" --tool "$tool" --print-limit 20 \
-      --error-exitcode 9 "$PY" benchmarks/sanitize_cases.py
+      --error-exitcode 9 "$PY" -m benchmarks.sanitize_cases
   fi
 }
 
 run_tests() {
   local timeout_flag=()
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 240)
-  # gpu-marked tests everywhere (tests/test_gpu_kernels.py, test_wgrad's), then the rest of the
+  # gpu-marked tests everywhere (tests/op/test_gpu_kernels.py, test_wgrad's), then the rest of the
   # kernel files (their CUDA parametrisations run here).
   stage pytest-gpu 200 "$PY" -m pytest -q -ra -p no:cacheprovider "${timeout_flag[@]}" -m gpu tests
   stage pytest-kernels 200 "$PY" -m pytest -q -ra -p no:cacheprovider "${timeout_flag[@]}" \
@@ -177,11 +177,11 @@ summary() {
   train=$(ls "$OUT"/train-*.json 2>/dev/null | head -1)
   if [[ -n $main || -n $train ]]; then
     echo
-    "$PY" benchmarks/targets.py $main $train 2>&1 | tail -30
+    "$PY" -m benchmarks.targets $main $train 2>&1 | tail -30
   fi
   if [[ -f $(bench_out -graph) ]]; then
     echo "(graph-timed kernels:)"
-    "$PY" benchmarks/targets.py "$(bench_out -graph)" 2>&1 | grep -E "x copy" | head -8
+    "$PY" -m benchmarks.targets "$(bench_out -graph)" 2>&1 | grep -E "x copy" | head -8
   fi
   for f in "$OUT"/tune-*.json; do
     [[ -f $f ]] || continue
@@ -229,18 +229,18 @@ main() {
       ;;
     tune)
       stage build-stwb 240 stage_build stwb
-      stage tune-stwb 200 "$PY" benchmarks/tune_kernels.py --label stwb --triton-grid sweep \
+      stage tune-stwb 200 "$PY" -m benchmarks.tune_kernels --label stwb --triton-grid sweep \
         --out "$OUT/tune-$SLUG-$DATE-stwb.json"
       stage build-ptx 180 stage_build ptx
-      stage tune-ptx 100 "$PY" benchmarks/tune_kernels.py --label ptx --backends cuda \
+      stage tune-ptx 100 "$PY" -m benchmarks.tune_kernels --label ptx --backends cuda \
         --out "$OUT/tune-$SLUG-$DATE-ptx.json"
-      stage sass 60 "$PY" benchmarks/sass_check.py
+      stage sass 60 "$PY" -m benchmarks.sass_check
       keep "$OUT"/tune-*.json
       ;;
     train)
       stage build 240 stage_build stwb
-      stage bench-train 300 "$PY" benchmarks/bench_train.py --out "$OUT/train-$SLUG-$DATE.json"
-      stage find-batch 150 "$PY" benchmarks/find_batch.py \
+      stage bench-train 300 "$PY" -m benchmarks.bench_train --out "$OUT/train-$SLUG-$DATE.json"
+      stage find-batch 150 "$PY" -m benchmarks.find_batch \
         --out "$OUT/find-batch-$SLUG-$DATE.json"
       keep "$OUT/train-$SLUG-$DATE.json" "$OUT/find-batch-$SLUG-$DATE.json"
       ;;

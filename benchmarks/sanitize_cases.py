@@ -1,11 +1,11 @@
 """Run the GPU kernel cases of tests/gpu_cases.py once each, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck   python benchmarks/sanitize_cases.py
-    compute-sanitizer --tool racecheck  python benchmarks/sanitize_cases.py
-    compute-sanitizer --tool initcheck  python benchmarks/sanitize_cases.py
-    compute-sanitizer --tool synccheck  python benchmarks/sanitize_cases.py
+    compute-sanitizer --tool memcheck   python -m benchmarks.sanitize_cases
+    compute-sanitizer --tool racecheck  python -m benchmarks.sanitize_cases
+    compute-sanitizer --tool initcheck  python -m benchmarks.sanitize_cases
+    compute-sanitizer --tool synccheck  python -m benchmarks.sanitize_cases
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \\
-        python benchmarks/sanitize_cases.py          # every tensor its own allocation
+        python -m benchmarks.sanitize_cases          # every tensor its own allocation
 
 Cases: lists of 64/65/256/257/1000/1001 tensors, eager and captured in a CUDA graph; unaligned
 views longer than a chunk; found_inf from the vector part; a scale tensor; overwrite; a

@@ -1,9 +1,9 @@
 """What the kernels compile to, without a GPU: registers, spills and global loads/stores in SASS.
 
-    python benchmarks/sass_check.py                # both kernels, sm_90, a table
-    python benchmarks/sass_check.py --triton --json
-    python benchmarks/sass_check.py --cuda --arch 80
-    python benchmarks/sass_check.py --triton --block 8192 --warps 8 --half-vec 4   # a tuning variant
+    python -m benchmarks.sass_check                # both kernels, sm_90, a table
+    python -m benchmarks.sass_check --triton --json
+    python -m benchmarks.sass_check --cuda --arch 80
+    python -m benchmarks.sass_check --triton --block 8192 --warps 8 --half-vec 4   # a tuning variant
 
 --cuda compiles csrc/accumulate_cuda.cu with nvcc once per vector store (ACCUMKERNELS_VEC_STORE=0
 __stwb, 1 PTX st.global.v4.f32); --triton compiles accumkernels' Triton kernel ahead of time for

@@ -1,6 +1,6 @@
 """The design's performance targets next to what a benchmark record measured.
 
-    python benchmarks/targets.py RECORD.json [TRAIN.json]
+    python -m benchmarks.targets RECORD.json [TRAIN.json]
 
 RECORD is an accumbench record (python -m benchmarks.accumbench), TRAIN a bench_train.py record.
 One line per target (../shared/DESIGN.md, "Performance targets"): goal, measured value, and

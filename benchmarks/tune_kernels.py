@@ -1,9 +1,9 @@
 """Kernel tuning runs: GB/s of the accumkernels backends under several kernel settings, as a
 fraction of a device-to-device copy_ measured in the same run.
 
-    python benchmarks/tune_kernels.py --label stwb                  # the cuda backend as built
-    python benchmarks/tune_kernels.py --backends triton --triton-grid sweep
-    python benchmarks/tune_kernels.py --quick --out /tmp/t.json     # a smoke test (CPU too)
+    python -m benchmarks.tune_kernels --label stwb                  # the cuda backend as built
+    python -m benchmarks.tune_kernels --backends triton --triton-grid sweep
+    python -m benchmarks.tune_kernels --quick --out /tmp/t.json     # a smoke test (CPU too)
 
 The cuda backend runs as built (rebuild with ACCUMKERNELS_CUDA_STORE=ptx to time the other
 store; ``--label`` names the build in the record). The Triton backend runs once per setting of
@@ -25,8 +25,10 @@ import time
 from pathlib import Path
 
 import torch
-from accumbench.env import default_out_path, environment
-from accumbench.measure import (
+
+import accumkernels
+from benchmarks.accumbench.env import default_out_path, environment
+from benchmarks.accumbench.measure import (
     check_provider,
     measure_copy,
     num_buffer_sets,
@@ -34,16 +36,14 @@ from accumbench.measure import (
     sample_indices,
     time_calls,
 )
-from accumbench.report import json_safe
-from accumbench.workloads import (
+from benchmarks.accumbench.report import json_safe
+from benchmarks.accumbench.workloads import (
     DTYPES,
     SCALE,
     bytes_per_element,
     fit_llama_layers,
     make_workload,
 )
-
-import accumkernels
 
 # (BLOCK, NUM_WARPS, HALF_SRC_VEC, TAIL) of the Triton kernel
 TRITON_GRIDS = {

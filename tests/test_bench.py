@@ -13,12 +13,11 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# The benchmark package lives outside the installed library, in benchmarks/ (as its scripts see it).
-if str(REPO_ROOT / "benchmarks") not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+if str(REPO_ROOT) not in sys.path:  # the package benchmarks/ sits at the repository root
+    sys.path.insert(0, str(REPO_ROOT))
 
-import accumbench as bench  # noqa: E402
-from accumbench import cli, overhead, report  # noqa: E402
+from benchmarks import accumbench as bench  # noqa: E402
+from benchmarks.accumbench import cli, env, overhead, report  # noqa: E402
 
 CPU = torch.device("cpu")
 ODD_SHAPES = ((0,), (1,), (3,), (4097,), (65538,), (33, 7))
@@ -238,16 +237,16 @@ def test_check_catches_wrong_results(fn, overwrite):
 
 
 def test_slugify_and_out_path():
-    assert cli.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
-    assert cli.slugify("Intel(R) Xeon(R) CPU @ 2.20GHz") == "intel-xeon-cpu-2-20ghz"
-    assert cli.device_slug(CPU).startswith("cpu-")
-    path = cli.default_out_path("cpu-x", datetime.date(2026, 1, 2), overwrite=True, quick=True)
+    assert env.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert env.slugify("Intel(R) Xeon(R) CPU @ 2.20GHz") == "intel-xeon-cpu-2-20ghz"
+    assert env.device_slug(CPU).startswith("cpu-")
+    path = env.default_out_path("cpu-x", datetime.date(2026, 1, 2), overwrite=True, quick=True)
     assert path.name == "cpu-x-2026-01-02-overwrite-quick.json"
     assert path.parent.parts[-2:] == ("benchmarks", "results")
 
 
 def test_json_safe():
-    assert cli._json_safe({"a": [1.0, float("nan")], "b": float("inf"), "c": "x"}) == {
+    assert report.json_safe({"a": [1.0, float("nan")], "b": float("inf"), "c": "x"}) == {
         "a": [1.0, None], "b": None, "c": "x"}
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # the benchmark runs as ``python -m benchmarks.bench_fsdp2``
+if str(REPO_ROOT) not in sys.path:  # the package benchmarks/ sits at the repository root
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import bench_fsdp2  # noqa: E402

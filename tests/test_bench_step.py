@@ -12,13 +12,12 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# bench_step imports the benchmark package (benchmarks/accumbench) the way its scripts do.
-if str(REPO_ROOT / "benchmarks") not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+if str(REPO_ROOT) not in sys.path:  # the package benchmarks/ sits at the repository root
+    sys.path.insert(0, str(REPO_ROOT))
 
-import bench_step  # noqa: E402
-from accumbench import suites  # noqa: E402
-from accumbench.tally import LiveTensorBytes, TrafficTally  # noqa: E402
+from benchmarks import bench_step  # noqa: E402
+from benchmarks.accumbench import suites  # noqa: E402
+from benchmarks.accumbench.tally import LiveTensorBytes, TrafficTally  # noqa: E402
 
 REPS = 2
 ROW_NAMES = ["adamw_fused", "adamw_foreach", "wrapper_fp32_sum", "wrapper_fp32_clip",

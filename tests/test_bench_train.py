@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,14 +12,10 @@ import torch
 pytest.importorskip("transformers")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# bench_train imports the benchmark package (benchmarks/accumbench) the way its scripts do.
-if str(REPO_ROOT / "benchmarks") not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-_spec = importlib.util.spec_from_file_location("bench_train",
-                                               REPO_ROOT / "benchmarks" / "bench_train.py")
-bench_train = importlib.util.module_from_spec(_spec)
-sys.modules["bench_train"] = bench_train
-_spec.loader.exec_module(bench_train)
+if str(REPO_ROOT) not in sys.path:  # the package benchmarks/ sits at the repository root
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import bench_train  # noqa: E402
 
 FP32_ROWS = ("main_grad_fp32", "accumkernels")
 # Bytes per param alive together at a step, counted by hand: bf16 weights 2; bf16 rows: bf16

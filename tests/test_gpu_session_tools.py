@@ -28,7 +28,7 @@ def test_gpu_session_script_parses():
 
 def test_tune_kernels_smoke(tmp_path):
     out = tmp_path / "tune.json"
-    proc = run("benchmarks/tune_kernels.py", "--quick", "--workloads", "flat,gpt2",
+    proc = run("-m", "benchmarks.tune_kernels", "--quick", "--workloads", "flat,gpt2",
                "--dtypes", "bf16", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads(out.read_text())
@@ -38,7 +38,7 @@ def test_tune_kernels_smoke(tmp_path):
 
 def test_find_batch_smoke(tmp_path):
     out = tmp_path / "find.json"
-    proc = run("benchmarks/find_batch.py", "--candidates", "1,2", "--global-batch", "2",
+    proc = run("-m", "benchmarks.find_batch", "--candidates", "1,2", "--global-batch", "2",
                "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads(out.read_text())
@@ -59,7 +59,7 @@ def test_targets_reads_a_gpu_record(tmp_path):
               "overhead": {"rows": [{"provider": "accumkernels:cuda", "host_us": 12.0}]}}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(record))
-    proc = run("benchmarks/targets.py", str(path))
+    proc = run("-m", "benchmarks.targets", str(path))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
 
@@ -80,12 +80,11 @@ def test_targets_reads_a_gpu_record(tmp_path):
 
 def test_sanitize_cases_cover_the_issue():
     """Both backends, every table size eager and captured, and every other case."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import sanitize_cases
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    if str(ROOT) not in sys.path:  # the package benchmarks/ sits at the repository root
+        sys.path.insert(0, str(ROOT))
     import gpu_cases
+
+    from benchmarks import sanitize_cases
 
     names = [n for n, _ in sanitize_cases.cases(["cuda", "triton"], True, True)]
     for backend in ("cuda", "triton"):

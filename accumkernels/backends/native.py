@@ -28,7 +28,7 @@ except ImportError as exc:  # not built: only the torch/triton backends are usab
 else:
     IMPORT_ERROR = None
 
-# fp32 masters <- bf16/fp16 weights that differ from the rounded master (optim.masters)
+# fp32 masters <- bf16/fp16 weights that differ from the rounded master (master_ops.py)
 resync_masters_cpu = getattr(_C, "resync_masters_cpu", None)
 copy_back_cpu = getattr(_C, "copy_back_cpu", None)  # masters -> weights (torch's cast)
 

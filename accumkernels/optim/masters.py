@@ -9,9 +9,10 @@ The check is exact, at every step, on every (master, weight) pair: element by el
 no cached picture of the weights standing in for it (a fingerprint, a version counter: writes
 through ``.data``, a numpy view or ``untyped_storage()`` bypass the version counter, and a
 fingerprint can be matched by a crafted write). It reads 6 B per element (the master 4, the
-weight 2) and writes only the elements that differ: on the CPU one native pass per dtype, on a
-GPU with Triton one launch per device and dtype, otherwise torch ops per param. A later fused
-master step is to fold that read into the inner optimizer's own pass over the masters.
+weight 2) and writes only the elements that differ. The kernels are reached through the ops of
+``accumkernels/master_ops.py`` alone (``resync_masters_``, ``copy_back_``), which pick the native
+pass, Triton or torch ops per pair. A later fused master step is to fold that read into the
+inner optimizer's own pass over the masters.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import contextlib
 import torch
 
 from accumkernels._util import LOW_PRECISION
-from accumkernels.backends import native
-from accumkernels.backends import triton as triton_backend
+from accumkernels.master_ops import copy_back_, resync_masters_
 
 
 class MasterWeights:
@@ -86,20 +86,9 @@ class MasterWeights:
 
     @torch.no_grad()
     def resync_changed(self) -> None:
-        """Take the model's weight wherever it differs from the rounded master (changed outside).
-
-        Every pair is compared exactly (6 B/element), nothing cached trusted: on the CPU one
-        native pass per dtype that reads the master and the weight and writes only what differs
-        (no temporaries); on a GPU with Triton, one launch per device and dtype does the same;
-        otherwise torch ops per param."""
-        rest = self.model_params
-        if native.resync_masters_cpu is not None:
-            rest = _resync_native(rest, self.masters)
-        rest = _resync_triton(rest, self.masters)
-        for p in rest:
-            m = self.masters[id(p)]
-            changed = p.ne(m.to(p.dtype))
-            torch.where(changed, p.float(), m, out=m)
+        """Take the model's weight wherever it differs from the rounded master (changed outside):
+        every pair compared exactly (6 B/element), nothing cached trusted."""
+        resync_masters_(self.master_list(), self.model_params)
 
     @torch.no_grad()
     def follow(self, old_devices: list[torch.device], params: list[torch.Tensor]) -> None:
@@ -123,13 +112,9 @@ class MasterWeights:
 
     @torch.no_grad()
     def copy_back(self) -> None:
-        """The model's weights = the masters rounded (torch's cast); on the CPU a native pass.
-        Nothing about what it wrote is recorded: ``resync_changed`` compares exactly."""
-        rest = self.model_params
-        if native.copy_back_cpu is not None:
-            rest = _copy_back_native(rest, self.masters)
-        if rest:
-            torch._foreach_copy_(rest, [self.masters[id(p)] for p in rest])
+        """The model's weights = the masters rounded (torch's cast). Nothing about what it wrote
+        is recorded: ``resync_changed`` compares exactly."""
+        copy_back_(self.master_list(), self.model_params)
 
     def state_dict(self) -> list[torch.Tensor]:
         return self.master_list()
@@ -154,65 +139,3 @@ class MasterWeights:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a checkpoint tool may hand masters over as DTensors)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _plain_pair(p: torch.Tensor, m: torch.Tensor, device_type: str) -> bool:
-    """A (weight, master) pair the raw-pointer passes can take: both contiguous, on one device
-    of ``device_type``, the weight without a negative bit."""
-    return p.device.type == device_type and m.device == p.device and p.is_contiguous() \
-        and m.is_contiguous() and not p.is_neg()
-
-
-def _copy_back_native(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
-                      ) -> list[torch.Tensor]:
-    """weight = master rounded for the CPU pairs, one native call per dtype (torch's cast bit
-    for bit); returns the params it could not take (another device, a non-contiguous weight, no
-    fp16 support on this build)."""
-    done: set[int] = set()
-    plain = [p for p in params if _plain_pair(p, masters[id(p)], "cpu")]
-    for dtype in LOW_PRECISION:
-        group = [p for p in plain if p.dtype == dtype]
-        if not group or native.copy_back_cpu(
-                [masters[id(p)].data_ptr() for p in group], [p.data_ptr() for p in group],
-                [p.numel() for p in group], native.DTYPE_CODES[dtype]) is None:
-            continue
-        for p in group:
-            torch.autograd.graph.increment_version(p)  # written around autograd's counter
-        done.update(id(p) for p in group)
-    return [p for p in params if id(p) not in done]
-
-
-def _resync_native(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
-                   ) -> list[torch.Tensor]:
-    """Re-sync the CPU (master, weight) pairs of one dtype in one native call each; returns
-    the params it could not take (another device, a non-contiguous weight, no fp16 support)."""
-    rest: list[torch.Tensor] = []
-    for dtype in LOW_PRECISION:
-        pairs = [(masters[id(p)], p) for p in params if p.dtype == dtype]
-        if not pairs:
-            continue
-        fits = [(m, p) for m, p in pairs if _plain_pair(p, m, "cpu")]
-        code = native.DTYPE_CODES[dtype]
-        if not fits or native.resync_masters_cpu(
-                [m.data_ptr() for m, _ in fits], [p.data_ptr() for _, p in fits],
-                [p.numel() for _, p in fits], code) < 0:
-            fits = []
-        done = {id(p) for _, p in fits}
-        rest.extend(p for _, p in pairs if id(p) not in done)
-    return rest
-
-
-def _resync_triton(params: list[torch.Tensor], masters: dict[int, torch.Tensor]
-                   ) -> list[torch.Tensor]:
-    """GPU (Triton) pairs: one launch per device and dtype; returns the params left over."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    rest: list[torch.Tensor] = []
-    for p in params:
-        m = masters[id(p)]
-        if _plain_pair(p, m, "cuda") and triton_backend.is_available(p.device):
-            groups.setdefault((p.device, p.dtype), []).append(p)
-        else:
-            rest.append(p)
-    for group in groups.values():
-        triton_backend.resync_masters([masters[id(p)] for p in group], group)
-    return rest

@@ -5,10 +5,12 @@ suite in benchmarks/bench_accumulate.py reuses them. Performance is reported as 
 bandwidth (bytes read + written per second) next to a device-to-device ``copy_``.
 
 Modules: workloads (parameter lists), providers (what is timed), measure (buffers, the float64
-check, timers), overhead (host time per call), report (table, plot), env (run metadata), cli.
+check, timers), overhead (host time per call), layers (the library's call layers it times),
+report (table, plot), env (run metadata), tally (bytes moved by aten ops), step_report, cli,
+suites (``step``/``train`` on the command line).
 """
 
-from .measure import (
+from benchmarks.accumbench.measure import (
     check_provider,
     measure_copy,
     num_buffer_sets,
@@ -17,7 +19,7 @@ from .measure import (
     sample_indices,
     time_calls,
 )
-from .providers import (
+from benchmarks.accumbench.providers import (
     BASELINE_CODE,
     BASELINES,
     NativeGradDtype,
@@ -32,7 +34,7 @@ from .providers import (
     provider_scale,
     select_providers,
 )
-from .workloads import (
+from benchmarks.accumbench.workloads import (
     DTYPES,
     LLAMA7B,
     LLAMA7B_NUMEL,

@@ -1,5 +1,5 @@
 """``python -m benchmarks.accumbench [step|train]``: see suites.py, cli.py or ``--help``."""
 
-from .suites import main
+from benchmarks.accumbench.suites import main
 
 raise SystemExit(main())

@@ -23,16 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .env import (  # noqa: F401 - re-exported: benchmarks/ scripts import them from here
-    REPO_ROOT,
-    cpu_name,
-    default_out_path,
-    device_slug,
-    environment,
-    git_info,
-    slugify,
-)
-from .measure import (
+from benchmarks.accumbench.env import default_out_path, environment
+from benchmarks.accumbench.measure import (
     check_provider,
     measure_copy,
     num_buffer_sets,
@@ -40,8 +32,8 @@ from .measure import (
     sample_indices,
     time_calls,
 )
-from .overhead import measure_overhead
-from .providers import (
+from benchmarks.accumbench.overhead import measure_overhead
+from benchmarks.accumbench.providers import (
     BASELINES,
     Provider,
     make_providers,
@@ -49,8 +41,8 @@ from .providers import (
     provider_scale,
     select_providers,
 )
-from .report import format_table, json_safe, write_plot
-from .workloads import (
+from benchmarks.accumbench.report import format_table, json_safe, write_plot
+from benchmarks.accumbench.workloads import (
     DTYPES,
     QUICK_FLAT_NUMEL,
     REL_TOL,
@@ -64,7 +56,6 @@ from .workloads import (
     parse_count,
 )
 
-_json_safe = json_safe  # the old name, kept for callers
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
                  "float": "fp32"}
 WORKLOAD_ALIASES = {"llama": "llama7b"}

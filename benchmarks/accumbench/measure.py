@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .providers import Provider
-from .workloads import REL_TOL, Shape
+from benchmarks.accumbench.providers import Provider
+from benchmarks.accumbench.workloads import REL_TOL, Shape
 
 # --- buffers and the correctness check ---------------------------------------------------------
 

@@ -6,8 +6,7 @@ with ``time.perf_counter``: on a GPU that is the host's issue rate (as long as t
 up), on the CPU the whole call (the kernel runs on the calling thread). Batches of all the
 functions of one row are interleaved, so a shared machine's drifting load biases them alike.
 
-For accumkernels providers a row also times, through the package's own seams
-(``accumkernels.ops.call_layers`` and ``LaunchPlan.layers``, no private names):
+For accumkernels providers a row also times, through the library's private layers (layers.py):
 
 * the layers of the public call: ``accumulate_`` (argument checks in Python, then one C++ call
   that checks every tensor, bumps version counters and launches), ``backend`` (the op's
@@ -39,11 +38,11 @@ from pathlib import Path
 import torch
 
 import accumkernels
-
-from .env import REPO_ROOT, environment
-from .measure import random_tensors, time_calls
-from .providers import Provider, provider_scale
-from .workloads import DTYPES
+from benchmarks.accumbench.env import REPO_ROOT, environment
+from benchmarks.accumbench.layers import call_layers, plan_layers
+from benchmarks.accumbench.measure import random_tensors, time_calls
+from benchmarks.accumbench.providers import Provider, provider_scale
+from benchmarks.accumbench.workloads import DTYPES
 
 _SHORT = {v: k for k, v in DTYPES.items()}  # torch.bfloat16 -> "bf16"
 
@@ -93,11 +92,7 @@ def host_times_us(fns: dict[str, Callable[[], object]], device: torch.device,
 
 def backend_stages(backend: str, dst: list[torch.Tensor], src: list[torch.Tensor], scale: float,
                    overwrite: bool) -> dict[str, Callable[[], object]]:
-    """The layers of one ``accumulate_`` call (accumkernels.ops.call_layers), outermost first."""
-    call_layers = getattr(accumkernels.ops, "call_layers", None)
-    if call_layers is None:  # an accumkernels without the seam: the public call only
-        return {"accumulate_": lambda: accumkernels.accumulate_(
-            dst, src, scale, overwrite=overwrite, backend=backend)}
+    """The layers of one ``accumulate_`` call (layers.call_layers), outermost first."""
     return dict(call_layers(dst, src, scale, overwrite=overwrite, backend=backend))
 
 
@@ -113,9 +108,7 @@ def plan_stages(backend: str, dst: list[torch.Tensor], src: list[torch.Tensor], 
     stages: dict[str, Callable[[], object]] = {
         "buffer.accumulate": lambda: buffer.accumulate(params, src, scale, overwrite=overwrite,
                                                        backend=backend)}
-    plan = bucket.plan(backend) if hasattr(bucket, "plan") else None
-    if plan is not None and hasattr(plan, "layers"):
-        stages.update(plan.layers(src, scale, keys=params, overwrite=overwrite))
+    stages.update(plan_layers(bucket.plan(backend), src, scale, keys=params, overwrite=overwrite))
     return stages
 
 
@@ -269,8 +262,7 @@ def host_path_record(n_tensors: int = 300, numel: int = 1, threads: int = 1,
                      batches: int = 9) -> dict:
     """The host-path measurement on the CPU (see the module docstring)."""
     from accumkernels.backends import native
-
-    from .providers import make_providers
+    from benchmarks.accumbench.providers import make_providers
 
     cpu = torch.device("cpu")
     old = torch.get_num_threads()

@@ -13,8 +13,7 @@ from functools import partial
 import torch
 
 import accumkernels
-
-from .workloads import SCALE
+from benchmarks.accumbench.workloads import SCALE
 
 Provider = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .workloads import format_count
+from benchmarks.accumbench.workloads import format_count
 
 SPEEDUP_COLUMNS = (("loop_literal", "vs literal"), ("loop_add", "vs add"),
                    ("foreach", "vs foreach"), ("native_grad_dtype", "vs native"))

@@ -10,16 +10,12 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-SUITES = {"step": "bench_step", "train": "bench_train"}
-BENCH_DIR = Path(__file__).resolve().parents[1]
+SUITES = {"step": "benchmarks.bench_step", "train": "benchmarks.bench_train"}
 
 
 def load_suite(name: str):
-    """The suite's script as a module; the scripts import ``accumbench`` from benchmarks/."""
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
+    """The suite's module (``benchmarks.bench_step``, ``benchmarks.bench_train``)."""
     return importlib.import_module(SUITES[name])
 
 
@@ -27,5 +23,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUITES:
         return load_suite(argv[0]).main(argv[1:])
-    from .cli import main as kernel_main
+    from benchmarks.accumbench.cli import main as kernel_main
     return kernel_main(argv)

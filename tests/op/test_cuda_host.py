@@ -21,7 +21,7 @@ from reference import Reference
 
 import accumkernels
 from accumkernels.backends import cuda_host, native
-from accumkernels.ops import LaunchPlan
+from accumkernels.plan import LaunchPlan
 
 pytestmark = pytest.mark.skipif(not cuda_host.is_available(torch.device("cpu")),
                                 reason="accumkernels._C is not built")

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 import accumkernels
 from accumkernels import MasterGradBuffer
 from accumkernels.backends import native
-from accumkernels.ops import LaunchPlan
+from accumkernels.plan import LaunchPlan
 
 BACKENDS = ["cpu", "torch", "cuda_host"] + ([] if HAS_CUDA else ["triton"])
 ROOT = Path(__file__).resolve().parents[2]  # the repository

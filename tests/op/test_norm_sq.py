@@ -22,7 +22,7 @@ from reference import Reference
 import accumkernels
 from accumkernels import MasterGradBuffer
 from accumkernels.backends import cuda_host, native
-from accumkernels.ops import LaunchPlan
+from accumkernels.plan import LaunchPlan
 
 NAN = float("nan")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

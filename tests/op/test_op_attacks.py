@@ -18,7 +18,7 @@ from torch import nn
 import accumkernels
 from accumkernels import MasterGradBuffer
 from accumkernels.backends import native
-from accumkernels.ops import LaunchPlan
+from accumkernels.plan import LaunchPlan
 
 BACKENDS = ["cpu", "torch"] + ([] if HAS_CUDA else ["triton"])
 
