@@ -9,7 +9,14 @@ inside what every checkpoint tool already carries (format 4):
   inner optimizer has state for it: before that the master is the model weight) and, while a
   window is open, ``"accumkernels_window"`` (the param's fp32 window, or its FSDP2 shard);
 * ``param_groups[g]["accumkernels"]``: the bookkeeping (format version, param shapes, window
-  counts and weights, loss-scale state, non-finite counters), the same in every group.
+  counts and weights, loss-scale state, non-finite counters) as one JSON string, the same in
+  every group (one opaque leaf, so a tool that loads into a template matches its keys).
+
+Carried through ``torch.save`` (weights_only), ``get_state_dict``/``set_state_dict`` with the
+default and ``full_state_dict`` options, and ``dcp.save``/``dcp.load`` at a window boundary.
+Not yet: ``flatten_optimizer_state_dict=True`` (DCP rebuilds each param's state and group from
+the keys the loading optimizer already has, which drops the wrapper's), and ``dcp.load`` of a
+mid-window checkpoint into a fresh template.
 
 A native optimizer's state dict loads too (masters from the model, an empty window), and the
 wrapper's loads into a native optimizer (the extra keys are ignored by torch's optimizers once
@@ -33,6 +40,7 @@ refused, not silently substituted for that rank's window.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections import defaultdict
 from itertools import chain
@@ -68,6 +76,7 @@ def assemble(parts, intake, agree=None) -> dict:
         "loss_scale": parts.scaler.state_dict(),
         **parts.nonfinite.state_dict(),
         "inner_state": bool(sd["state"]),
+        "masters": bool(parts.masters.model_params),
     }
     if not sd["state"]:
         sd["state"] = _template_state(parts)
@@ -88,8 +97,9 @@ def assemble(parts, intake, agree=None) -> dict:
             warnings.warn(_RANK_LOCAL_SAVED.format(*local), stacklevel=3)
     if agree is not None:
         agree(own)
-    for group in sd["param_groups"]:
-        group[OWN_KEY] = own
+    packed = json.dumps(own)  # one opaque leaf: tools that flatten nested containers into
+    for group in sd["param_groups"]:  # keys (DCP) then match a template's whatever it holds
+        group[OWN_KEY] = packed
     return sd
 
 
@@ -162,6 +172,12 @@ _STRIPPED = (
     "its bookkeeping (param_groups[...]['accumkernels'] is missing: the tool that saved or loaded "
     "it dropped unknown param_group keys); the window counts, weights and loss-scale state "
     "are lost. Save with opt.state_dict() (torch.save), or a tool that keeps param_groups whole")
+_STRIPPED_STATE = (
+    "load_state_dict: this state dict lost AccumulatingOptimizer's {what} (per-param entries "
+    "'accumkernels_*' of 'state'), which its bookkeeping says were saved: the tool that "
+    "loaded it kept only the state keys the optimizer had before loading (e.g. "
+    "torch.distributed.checkpoint with flatten_optimizer_state_dict=True). Load without "
+    "flattening, or with opt.load_state_dict() of what opt.state_dict() saved")
 _NO_WINDOW = (
     "load_state_dict: this checkpoint was taken in the middle of a window of {n} micro-batch(es), "
     "but the gradients of that window are missing for {missing} (they were not saved, or the "
@@ -171,12 +187,17 @@ _NO_WINDOW = (
 
 
 def _own_of(sd: dict):
-    """The format-4 bookkeeping of a state dict (first group's), or None."""
+    """The format-4 bookkeeping of a state dict (first group's, a JSON string), or None."""
     groups = sd.get("param_groups")
     if isinstance(groups, list):
         for g in groups:
             if isinstance(g, dict) and OWN_KEY in g:
-                return g[OWN_KEY]
+                own = g[OWN_KEY]
+                try:
+                    return json.loads(own) if isinstance(own, (str, bytes)) else own
+                except ValueError:
+                    raise ValueError("load_state_dict: malformed 'accumkernels' bookkeeping in "
+                                     "param_groups") from None
     return None
 
 
@@ -189,19 +210,30 @@ def _strip(sd: dict) -> dict:
     return {**sd, "state": state, "param_groups": groups}
 
 
+def _saved_keys(parts, sd: dict) -> dict[int, object]:
+    """id(param) -> its key in the saved ``state``, by position over the groups, as torch's
+    ``load_state_dict`` maps them (ints from ``state_dict()``, parameter names from DCP)."""
+    saved = chain.from_iterable(g.get("params", ()) for g in sd["param_groups"])
+    mine = chain.from_iterable(g["params"] for g in parts.optimizer.param_groups)
+    return {id(p): k for k, p in zip(saved, mine)}
+
+
 def _from_v4(parts, sd: dict, own: object) -> dict:
     """Format 4 in the form of the older formats' pieces (checked in ``_parse``)."""
     if not isinstance(own, dict) or own.get("version") != VERSION:
         version = own.get("version") if isinstance(own, dict) else None
         raise ValueError(f"load_state_dict: checkpoint format version {version!r} is not "
                          f"supported (this accumkernels writes version {VERSION})")
-    index, state = _index(parts), sd["state"]
+    index, state = _saved_keys(parts, sd), sd["state"]
     entry = lambda p: state.get(index.get(id(p)), {})  # noqa: E731
     inner = _strip(sd)
     if own.get("inner_state") is False:  # saved before the inner optimizer had any state
         inner = {**inner, "state": {}}
+    masters = [entry(p).get(MASTER_KEY) for p in parts.masters.model_params]
+    if own.get("masters") and any(m is None for m in masters):
+        raise ValueError(_STRIPPED_STATE.format(what="fp32 master weights"))
     old = {**own, "optimizer": inner,
-           "master_weights": [entry(p).get(MASTER_KEY) for p in parts.masters.model_params],
+           "master_weights": masters,
            "window_views": None, "window": own.get("window")}
     window = own.get("window")
     views = [entry(p).get(WINDOW_KEY) for p in parts.params]

@@ -193,6 +193,8 @@ class Window:
         """Check a saved window (raises ValueError) and return it in loadable form."""
         if not isinstance(state, dict):
             raise ValueError("load_state_dict: 'window' must be a dict")
+        # (empty lists of weights and dropped micro-batches vanish in some tools' flattening)
+        state = {"weights": [], "dropped": [], **state}
         missing = [k for k in _KEYS if k not in state]
         if missing:
             raise ValueError(f"load_state_dict: the saved window lacks {missing}")
