@@ -1,6 +1,6 @@
 """Every private PyTorch API the wrapper relies on, in one place, with the torch it was checked on.
 
-Each entry names what it reads and why no public API serves. tests/test_torch_private.py calls
+Each entry names what it reads and why no public API serves. tests/optim/test_torch_private.py calls
 every one on the installed torch and fails loudly, naming the entry, when torch changes it.
 Checked on torch 2.11 (the GPU machines) and 2.13 (CPU CI).
 

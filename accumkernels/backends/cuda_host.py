@@ -3,7 +3,7 @@
 csrc/accumulate_cuda_host.cpp plays each launch of the CUDA kernel (the same source as the GPU
 build, csrc/accumulate_kernel.h) block by block and thread by thread on host memory, through the
 same table building as a real launch. It is slow and never offered by ``available_backends`` or
-``"auto"``; tests name it explicitly (tests/test_cuda_host.py). With the C++ tensor reader the
+``"auto"``; tests name it explicitly (tests/op/test_cuda_host.py). With the C++ tensor reader the
 call goes through the extension's checked path (``native.KERNELS``); this module's
 ``accumulate`` is the portable path.
 """

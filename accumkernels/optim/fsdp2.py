@@ -28,6 +28,7 @@ from accumkernels.optim import fsdp2_checkpoint
 from accumkernels.optim.fsdp2_intake import ShardedIntake, ShardedWindow
 from accumkernels.optim.fsdp2_recipe import RECIPE, dtensor_type
 from accumkernels.optim.nonfinite import sum_of_squares
+from accumkernels.optim.sync import LocalSync
 from accumkernels._torch_private import fsdp2_offload_unsafe
 
 __all__ = ["MeshSync", "ShardedLayout"]
@@ -99,14 +100,15 @@ def check_recipe(params: list[torch.Tensor], model: object, kwargs: dict) -> tup
     return modules, groups, meshes[0]
 
 
-class MeshSync:
+class MeshSync(LocalSync):
     """The sync protocol (accumkernels.optim.sync) under FSDP2: FSDP2 reduces the gradients;
-    this sums the window's bookkeeping (and non-finite flags) over every rank of the mesh."""
+    this sums the window's bookkeeping (and non-finite flags) over every rank of the mesh.
+    What a backward, a bucket or a weight means for the local sync (nothing) it means here."""
 
-    ddp_group = None
     active = True
 
     def __init__(self, mesh, averaged: bool):
+        super().__init__(independent_ranks=False)
         self.mesh = mesh
         self.world = mesh.size()
         self.averaged = averaged  # FSDP2 averaged the gradients over the mesh (not summed)
@@ -153,9 +155,6 @@ class MeshSync:
         values = self.all_reduce(values, "checkpoint bookkeeping").tolist()
         return torch.full_like(found_inf, float(values[0] > 0)), values[1]
 
-    def agree_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        return norm  # mesh_norm agrees itself
-
     def rank_local_window(self) -> None:
         return None  # the checkpoint saves the window in its agreed, sharded form
 
@@ -164,21 +163,6 @@ class MeshSync:
 
     def ddp_possible(self) -> bool:
         return False
-
-    def backward_begins(self) -> None:
-        pass
-
-    def bucket_moved(self, bucket, last_microbatch: bool) -> None:
-        pass
-
-    def end_backward(self) -> bool:
-        return False
-
-    def weight_added(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
 
 def mesh_norm(sync: MeshSync, shown: list[torch.Tensor],

@@ -188,11 +188,15 @@ def scenario_resume_other_world(world: int, ckpt: str) -> dict:
     native = make_inner(model, "adamw")
     init_inner_state(native)
     window = [torch.zeros_like(p) for p in model.parameters()]
-    sd = {"model": model.state_dict(), "optim": {**native.state_dict(),
-                                                 "accumkernels": {"window": {"main_grad": window}}}}
+    optim = native.state_dict()  # the wrapper saved each param's window shard in its state
+    for i, w in enumerate(window):
+        optim["state"][i] = {**optim["state"][i], "accumkernels_window": w}
+    sd = {"model": model.state_dict(), "optim": optim}
     dcp.load(sd, checkpoint_id=ckpt)
     model.load_state_dict(sd["model"])
-    native.load_state_dict({k: sd["optim"][k] for k in ("state", "param_groups")})
+    native.load_state_dict({"param_groups": sd["optim"]["param_groups"], "state": {
+        i: {k: v for k, v in st.items() if k != "accumkernels_window"}
+        for i, st in sd["optim"]["state"].items()}})
     for p, g in zip(model.parameters(), window):
         p.grad = g
     _go(model, native, _window_items()[CUT:])
