@@ -86,7 +86,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: str) -> 
     gathered = [torch.zeros((), device=device) for _ in range(world_size)]
     dist.all_gather(gathered, checksum)
     assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks diverged"
-    window = sum(b.numel() * 4 for b in opt._buffer.buffers.values())
+    window = sum(p.main_grad.to_local().numel() * 4 for p in model.parameters())
     numel = sum(p.numel() for p in model.parameters())
     if rank == 0:
         wire = "" if comm is None else (f", bf16 wire {comm.bytes_sent + comm2.bytes_sent} B "

@@ -52,7 +52,7 @@ def test_fused_clipping_bf16_acts_on_fp32_master_grads():
     model = make_model(torch.bfloat16)
     opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=lr), accumulation_steps=N,
                                 max_grad_norm=0.05, bucket_size_mb=SMALL_BUCKET)
-    masters = [q for g in opt.param_groups for q in g["params"]]
+    masters = opt.master_params
     start = [q.detach().double() for q in masters]
     caps, handles = capture_grads(model)
     for x, y in batches(N, 4, torch.bfloat16):

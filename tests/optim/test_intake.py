@@ -160,7 +160,7 @@ def test_boundary_grad_is_a_view_and_edits_are_used(dtype):
     model = make_model(dtype)
     opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=lr), accumulation_steps=N,
                                 reduction="mean", bucket_size_mb=SMALL_BUCKET)
-    inner_params = [p for g in opt.param_groups for p in g["params"]]
+    inner_params = opt.master_params or [p for g in opt.param_groups for p in g["params"]]
     start = [p.detach().double() for p in inner_params]
     caps, handles = capture_grads(model)
     for x, y in batches(N, 4, dtype):

@@ -4,11 +4,11 @@ changed: fix that one accessor, not its callers."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from accumkernels import _torch_private as tp
 
@@ -50,12 +50,12 @@ def test_fused_optimizers_take_grad_scale():
 
 def test_global_step_hooks_are_the_registries_torch_fills():
     pre, post = tp.global_step_hooks()
-    handle = torch.optim.optimizer.register_optimizer_step_pre_hook(lambda *a: None)
+    handle = register_optimizer_step_pre_hook(lambda *a: None)
     try:
         assert handle.id in pre, "global_step_hooks: the pre-hook registry moved"
     finally:
         handle.remove()
-    handle = torch.optim.optimizer.register_optimizer_step_post_hook(lambda *a: None)
+    handle = register_optimizer_step_post_hook(lambda *a: None)
     try:
         assert handle.id in post, "global_step_hooks: the post-hook registry moved"
     finally:
@@ -92,8 +92,7 @@ def test_ddp_comm_hooks_lists_a_registered_python_hook(tmp_path):
             fut = torch.futures.Future()
             fut.set_result(bucket.buffer())
             return fut
-        wrapped = functools.partial(hook)
-        ddp.register_comm_hook(None, wrapped)
-        assert wrapped in tp.ddp_comm_hooks(ddp), "ddp_comm_hooks: DDP's _comm_hooks changed"
+        ddp.register_comm_hook(None, hook)
+        assert hook in tp.ddp_comm_hooks(ddp), "ddp_comm_hooks: DDP's _comm_hooks changed"
     finally:
         dist.destroy_process_group()
