@@ -36,7 +36,7 @@ from accumkernels.optim.parts import (Parts, attach_slots, build_rooms, layout_f
 from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
 from accumkernels.optim.scaling import LossScaler
 from accumkernels.optim.step import NO_WEIGHTS
-from accumkernels.optim.sync import ddp_sync_for
+from accumkernels.optim.sync_ddp import ddp_sync_for
 
 __all__ = ["AccumulatingOptimizer"]
 
