@@ -84,8 +84,9 @@ def assemble(parts, intake, agree=None) -> dict:
     own["found_inf"] = float(own["found_inf"].item())
     extra = {id(p): {MASTER_KEY: m.detach()} for p, m in zip(parts.masters.model_params,
                                                             parts.masters.master_list())}
-    for p, view in zip(parts.params, intake.views):
-        extra.setdefault(id(p), {})[WINDOW_KEY] = view.detach()
+    for p, view in zip(parts.params, intake.views):  # a copy: a tool loading into this dict as
+        extra.setdefault(id(p), {})[WINDOW_KEY] = view.detach().clone()  # a template writes it
+        # before load_state_dict, while DCP's state init may still run a backward-less step
     for key, entries in extra.items():
         state[index[key]] = {**state.get(index[key], {}), **entries}
     window = parts.window

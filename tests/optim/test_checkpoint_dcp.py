@@ -108,12 +108,12 @@ def test_get_set_state_dict_resumes_exactly(option, cut, dtype, inner):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_dcp_save_load_into_a_fresh_template(tmp_path, dtype):
+@pytest.mark.parametrize("cut", [N, N + 2], ids=["boundary", "mid_window"])
+def test_dcp_save_load_into_a_fresh_template(tmp_path, cut, dtype):
     """``dcp.save`` of ``get_state_dict``'s dicts; ``dcp.load`` into the state dicts of a fresh
-    model and wrapper (the template), then ``set_state_dict``: the torchtitan recipe, at a
-    window boundary."""
+    model and wrapper (the template), then ``set_state_dict``: the torchtitan recipe."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    options, cut = StateDictOptions(), N  # at a window boundary
+    options = StateDictOptions()
 
     def save(model, opt):
         msd, osd = get_state_dict(model, opt, options=options)
