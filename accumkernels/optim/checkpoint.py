@@ -13,10 +13,9 @@ inside what every checkpoint tool already carries (format 4):
   every group (one opaque leaf, so a tool that loads into a template matches its keys).
 
 Carried through ``torch.save`` (weights_only), ``get_state_dict``/``set_state_dict`` with the
-default and ``full_state_dict`` options, and ``dcp.save``/``dcp.load`` at a window boundary.
-Not yet: ``flatten_optimizer_state_dict=True`` (DCP rebuilds each param's state and group from
-the keys the loading optimizer already has, which drops the wrapper's), and ``dcp.load`` of a
-mid-window checkpoint into a fresh template.
+default and ``full_state_dict`` options, and ``dcp.save``/``dcp.load`` into a fresh wrapper's
+state dict. Not yet: ``flatten_optimizer_state_dict=True`` (DCP rebuilds each param's state and
+group from the keys the loading optimizer already has, which drops the wrapper's).
 
 A native optimizer's state dict loads too (masters from the model, an empty window), and the
 wrapper's loads into a native optimizer (the extra keys are ignored by torch's optimizers once
