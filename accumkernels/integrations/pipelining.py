@@ -113,11 +113,12 @@ def clip_across_stages(optimizers, group=None) -> None:
     Call it once on every rank of the pipeline, with the same number of wrappers per rank, and
     step all of them at every window end (each step takes part in one all-reduce of a float
     over ``group`` per window)."""
-    from accumkernels.optim.sync import LocalSync, StageNorm
+    from accumkernels.optim.sync import DDPSync, GroupSync, LocalSync, StageNorm
 
     optimizers = list(optimizers)
     for opt in optimizers:
-        if not isinstance(getattr(getattr(opt, "_parts", None), "sync", None), LocalSync):
+        sync = getattr(getattr(opt, "_parts", None), "sync", None)
+        if type(sync) not in (LocalSync, GroupSync, DDPSync):
             raise TypeError(f"clip_across_stages expects the AccumulatingOptimizers of this "
                             f"rank's stages (flat, DDP or process_group windows; not FSDP2), got "
                             f"{type(opt).__name__}")

@@ -95,15 +95,18 @@ def build_rooms(parts: Parts, layout, params: list[torch.Tensor], events, proces
     bookkeeping (the caller's cadence) and the sync (rebound to the new storage)."""
     config = parts.config
     storage = layout.storage(params, config)
-    parts.masters.retarget(params)
-    parts.params = params
     if parts.window is None:
-        parts.window = Window(config, storage)
+        window = Window(config, storage)
+        # the sync first: a process_group that does not hold replicas is refused on every rank
+        # before any of the rooms changes, and its broadcast precedes the master copies
+        parts.sync = layout.sync(config, process_group, None, window, params)
+        parts.window = window
         parts.nonfinite = NonFinite(config, next(iter(storage.buffers), torch.device("cpu")))
-        parts.sync = layout.sync(config, process_group, None, parts.window, params)
     else:
         parts.window.storage = storage
         parts.sync.rebind(parts.window, params)
+    parts.masters.retarget(params)
+    parts.params = params
     layout.show(params, storage)
     parts.outside.rebuild({id(p) for p in parts.masters.master_list()} | {id(p) for p in params})
     intake = layout.intake(parts, storage, events,

@@ -8,7 +8,9 @@ was moved), the face (a backward ended, a weight was added, the window was reset
   refuses to step on rank-local gradients (the ranks would silently diverge);
 * :class:`GroupSync`: ``process_group=``. The wrapper all-reduces (sums) the fp32 window once
   per step (accumkernels.distributed.WindowReducer), overlapped with the last backward when N is
-  known;
+  known (the sums that backward started are complete when it returns: what the caller then
+  writes into ``p.grad`` never races them). Before its construction-time broadcast, the group
+  agrees that it holds replicas (:meth:`WindowReducer.check_replicas`);
 * :class:`~accumkernels.optim.sync_ddp.DDPSync`: the model is in DistributedDataParallel. DDP decides when to sync (its
   ``no_sync`` cadence); on a sync backward its comm hook (accumkernels.optim.ddp) calls
   :meth:`DDPSync.reduce` per DDP bucket, which averages the fp32 window of the bucket's params.
@@ -20,6 +22,9 @@ was moved), the face (a backward ended, a weight was added, the window was reset
 :func:`make_sync` picks one when the wrapper is built. DDP can also be met later (its comm hook
 registered on a DDP module built after the wrapper: Accelerate, the HF Trainer): the face then
 swaps its LocalSync for a DDPSync (``sync_ddp.ddp_sync_for``).
+
+:class:`StageNorm` (``accumkernels.integrations.pipelining.clip_across_stages``) joins the wrappers
+of one rank's pipeline stages: their steps measure the norm of the whole pipeline together.
 """
 
 from __future__ import annotations
@@ -98,11 +103,24 @@ class LocalSync:
         pass
 
     def finish(self, found_inf: torch.Tensor) -> WindowTotals | None:
+        self.gathered()
         return None
+
+    def gathered(self) -> None:
+        """The window is reduced and agreed on (the end of ``finish``): with
+        ``clip_across_stages``, the pipeline's norm round starts here, so that every real step
+        of every stage takes part in it (also one that then skips)."""
+        if self.stage_norm is not None:
+            self.stage_norm.gathered(self)
 
     def agreed_totals(self) -> WindowTotals | None:
         """The window's totals over the ranks, once ``finish`` agreed on them (else None)."""
         return None
+
+    def left_round(self) -> None:
+        """The window was reset (stepped, skipped or dropped): out of the norm round."""
+        if self.stage_norm is not None:
+            self.stage_norm.leave(self)
 
     def agree_norm(self, norm: torch.Tensor) -> torch.Tensor:
         return self.across_stages(norm)
@@ -112,7 +130,7 @@ class LocalSync:
         return norm if self.stage_norm is None else self.stage_norm.agree(self, norm)
 
     def reset(self) -> None:
-        pass
+        self.left_round()
 
     def rebind(self, window, params: list[torch.Tensor]) -> None:
         """The window's storage was rebuilt for ``params`` (``add_param_group``)."""
@@ -189,6 +207,7 @@ class GroupSync(LocalSync):
             self._totals = self.reducer.agree(w.micro_steps, w.kept, w.local_weight(),
                                               found_inf, w.held(self.params))
         self._stale = False
+        self.gathered()
         return self._totals
 
     def agreed_totals(self) -> WindowTotals | None:
@@ -202,6 +221,7 @@ class GroupSync(LocalSync):
     def reset(self) -> None:
         self._totals, self._stale = None, False
         self.reducer.reset()
+        self.left_round()
 
     def rebind(self, window, params: list[torch.Tensor]) -> None:
         timeout = self.reducer.timeout_s
@@ -239,38 +259,63 @@ class StageNorm:
         self.group = group
         self.timeout_s = timeout_s
         self._round: dict | None = None  # {"total": float, "shares": {k: float}, "due": set}
+        self._measuring = False
+
+    def _index(self, sync) -> tuple[list, int | None]:
+        faces = [ref() for ref in self.faces]
+        return faces, next((i for i, f in enumerate(faces)
+                            if f is not None and f._parts.sync is sync), None)
+
+    def gathered(self, sync) -> None:
+        """A wrapper's step reduced its window (``finish``; every real step gets here, also one
+        that will skip): the round's all-reduce, unless this wrapper's round is under way."""
+        if self._measuring:
+            return
+        faces, k = self._index(sync)
+        if k is None or (self._round is not None and k in self._round["due"]):
+            return
+        self._measuring = True
+        try:
+            shares = {i: _final_square(f, must=(i == k)) for i, f in enumerate(faces)
+                      if f is not None}
+        finally:
+            self._measuring = False
+        total = torch.tensor([sum(shares.values())], dtype=torch.float64)
+        work = dist.all_reduce(total, group=self.group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"AccumulatingOptimizer: waited {self.timeout_s:g} s for the pipeline stages' "
+                "norm (clip_across_stages): every rank of the pipeline group must step its "
+                "stages' wrappers at every window end") from exc
+        self._round = {"total": float(total), "shares": shares,
+                       "due": {i for i in shares if i == k or _due(faces[i])}}
+
+    def leave(self, sync) -> None:
+        _, k = self._index(sync)
+        if self._round is not None and k in self._round["due"]:
+            self._round["due"].discard(k)
+            if not self._round["due"]:
+                self._round = None
 
     def agree(self, sync, norm: torch.Tensor) -> torch.Tensor:
-        faces = [ref() for ref in self.faces]
-        k = next((i for i, f in enumerate(faces) if f is not None and f._parts.sync is sync),
-                 None)
+        """The pipeline's norm for this wrapper's step: the round's total, with this wrapper's
+        share measured again from its window as the step sees it (``norm``)."""
+        faces, k = self._index(sync)
         if k is None:  # (a wrapper no longer in the set)
             return norm
-        factor = _factor(faces[k])
-        own = (float(norm) * factor) ** 2
+        if self._round is None or k not in self._round["due"]:
+            self.gathered(sync)
         rnd = self._round
-        if rnd is None or k not in rnd["due"]:
-            shares = {i: (own if i == k else _final_square(f)) for i, f in enumerate(faces)
-                      if f is not None}
-            total = torch.tensor([sum(shares.values())], dtype=torch.float64)
-            work = dist.all_reduce(total, group=self.group, async_op=True)
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as exc:
-                raise RuntimeError(
-                    f"AccumulatingOptimizer: waited {self.timeout_s:g} s for the pipeline "
-                    "stages' norm (clip_across_stages): every rank of the pipeline group must "
-                    "step its stages' wrappers") from exc
-            rnd = self._round = {"total": float(total), "shares": shares,
-                                 "due": {i for i in shares if _due(faces[i])} | {k}}
         rnd["due"].discard(k)
         if not rnd["due"]:
             self._round = None
+        factor = _factor(faces[k])
+        own = (float(norm) * factor) ** 2
         square = rnd["total"] - rnd["shares"][k] + own
-        if not math.isfinite(square):
-            square = float("nan")
-        return torch.tensor(math.sqrt(max(square, 0.0)) / factor if math.isfinite(square)
-                            else square, dtype=norm.dtype, device=norm.device)
+        value = math.sqrt(square) / factor if math.isfinite(square) else float("nan")
+        return torch.tensor(value, dtype=norm.dtype, device=norm.device)
 
 
 def _due(face) -> bool:
@@ -290,11 +335,12 @@ def _factor(face) -> float:
     return parts.window.divisor / target if target else 1.0
 
 
-def _final_square(face) -> float:
-    """The squared norm the wrapper's own step will measure, measured before it steps: its
-    window reduced over its data-parallel ranks and agreed on (``finish``, which its step then
-    finds done), normalised as the step normalises it. 0.0 for a window that will not step."""
-    if not _due(face):
+def _final_square(face, must: bool = False) -> float:
+    """The squared norm the wrapper's step measures, measured before it (for the wrapper
+    stepping now, ``must``: while its step gathers): its window reduced over its data-parallel
+    ranks and agreed on (``finish``, which its step then finds done), normalised as the step
+    normalises it. 0.0 for a window that will not step, or that dropped every micro-batch."""
+    if not (must or _due(face)):
         return 0.0
     from accumkernels.optim.nonfinite import grad_norm  # (nonfinite imports nothing of ours)
     parts, intake = face._parts, face._intake

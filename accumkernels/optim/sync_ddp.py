@@ -132,6 +132,7 @@ class DDPSync(LocalSync):
         elif self.stale:
             self.totals = self._agree()
             self.stale = False
+        self.gathered()
         return self.totals
 
     def agree_norm(self, norm: torch.Tensor) -> torch.Tensor:
@@ -149,6 +150,7 @@ class DDPSync(LocalSync):
         self.clean = self.stale = self.synced = False
         self.futures = []
         self.reducer.reset()
+        self.left_round()
 
     def rebind(self, window, params: list[torch.Tensor]) -> None:
         timeout = self.reducer.timeout_s

@@ -1,26 +1,28 @@
 """Rank processes for test_pipelining.py: every ``torch.distributed.pipelining`` schedule, native
 and with one AccumulatingOptimizer per stage, on spawned gloo ranks (see _spawn.py: a FileStore,
-a deadline per run, the result written before teardown, a barrier, ``os._exit``).
+a deadline per launch, the result written before teardown, a barrier, ``os._exit``).
 
 The model: a 4-layer MLP (16 -> 32 -> 32 -> 32 -> 4, Tanh between), the same init on every rank
 (seeded), split into 2 stages (one per rank: GPipe, 1F1B) or 4 stages (two per rank: the looped
 schedules round-robin, the V schedules ZBVZeroBubble and DualPipeV in a V). Every schedule step
-runs N_MB = 4 micro-batches of MICRO samples; the data is the same on every rank (only stage 0
-reads the input, only the last stage the target).
+runs N_MB = 4 micro-batches of MICRO samples; the data is the same on every rank of a pipeline
+(only stage 0 reads the input, only the last stage the target), each data-parallel replica's
+its own.
 
 The target carries a per-sample weight column ``m`` (1, or 0/1 for the weighted runs): the loss is
 ``((out - y)**2 * m).mean()`` (or ``.sum()`` for ``reduction="weighted"``), so a native reference
 can drop a micro-batch exactly (``m = 0``: its gradient is exactly 0) where the wrapper drops a
 non-finite one.
 
-A run returns, per local stage index: the params after STEPS schedule steps (float64 copies of
-the exact values) and the wrapper's counters. One process launch runs every case of a scenario
-(start-up of the ranks dominates the time).
+A run (:func:`run_pipeline`) returns, per local stage index, the params after STEPS schedule
+steps (float64 copies of the exact values), the start, the fp32 masters of bf16 runs and the
+wrapper's counters. Scenarios, one process launch each (start-up of the ranks dominates):
+``schedules`` (2 ranks: every schedule x every case), ``guard_and_clip`` (2 ranks: the
+refusals, clipping by the pipeline's norm), ``two_d`` (4 ranks: 2 stages x 2 replicas).
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import os
 import tempfile
@@ -34,10 +36,12 @@ N_MB = 4  # micro-batches per schedule step (= accumulation_steps)
 MICRO = 4  # samples per micro-batch
 STEPS = 3  # schedule steps (optimizer steps) per run
 LR = 1e-2
+BF16_LR = 1e-3
 WIDTHS = (16, 32, 32, 32, 4)
 NAN_STEP, NAN_MB = 1, 2  # where the non-finite micro-batch sits (a middle one of a middle step)
 LOSS_SCALE = 1024.0
 CLIP = 0.05  # below every window's whole-model norm: clipping always takes effect
+WIDE = 512  # hidden width of the runs whose all-reduce takes long enough to be raced
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
              "ZBVZeroBubble", "DualPipeV", "CustomCSV")
@@ -45,15 +49,16 @@ SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "Custom
 
 
 # -- the model, its stages and the data -----------------------------------------------------------
-def layers(dtype: torch.dtype = torch.float32) -> list[torch.nn.Linear]:
+def layers(dtype: torch.dtype = torch.float32, widths=WIDTHS) -> list[torch.nn.Linear]:
     torch.manual_seed(0)
-    return [torch.nn.Linear(a, b).to(dtype) for a, b in zip(WIDTHS, WIDTHS[1:])]
+    return [torch.nn.Linear(a, b).to(dtype) for a, b in zip(widths, widths[1:])]
 
 
-def stage_module(index: int, num_stages: int, dtype: torch.dtype) -> torch.nn.Module:
+def stage_module(index: int, num_stages: int, dtype: torch.dtype,
+                 widths=WIDTHS) -> torch.nn.Module:
     """Stage ``index`` of ``num_stages`` (2 or 4) of the MLP; Tanh after every Linear but the
     last one."""
-    all_layers = layers(dtype)
+    all_layers = layers(dtype, widths)
     per = len(all_layers) // num_stages
     mods: list[torch.nn.Module] = []
     for k in range(index * per, (index + 1) * per):
@@ -75,9 +80,10 @@ def stage_indices(schedule: str, pp_rank: int, pp_size: int) -> tuple[list[int],
 
 
 def batch(step: int, dtype: torch.dtype = torch.float32, *, nan: bool = False,
-          mask_nan_mb: bool = False, weighted: bool = False):
-    """(x, target) of one schedule step: N_MB * MICRO samples; target = [y | m]."""
-    g = torch.Generator().manual_seed(1000 + step)
+          mask_nan_mb: bool = False, weighted: bool = False, replica: int = 0):
+    """(x, target) of one schedule step: N_MB * MICRO samples; target = [y | m]. ``replica``:
+    each data-parallel replica of the pipeline sees its own data."""
+    g = torch.Generator().manual_seed(1000 + step + 100 * replica)
     x = torch.randn(N_MB * MICRO, WIDTHS[0], generator=g)
     y = torch.randn(N_MB * MICRO, WIDTHS[-1], generator=g)
     if weighted:
@@ -111,7 +117,7 @@ def snapshot(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().double().clone() for p in module.parameters()]
 
 
-# -- one pipeline run -------------------------------------------------------------------------------
+# -- one pipeline run ------------------------------------------------------------------------------
 def build_schedule(schedule: str, stages, loss_fn, scale_grads: bool):
     from torch.distributed import pipelining as pp
     from torch.distributed.pipelining import schedules as sch
@@ -170,7 +176,9 @@ def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
                  weighted: bool = False, native_divide_by_weight: bool = False,
                  dp_group=None, native_dp_average: bool = False, ddp: bool = False,
                  clip: float | None = None, native_clip_across: bool = False,
-                 stage_norm: bool = False, steps: int = STEPS) -> dict:
+                 stage_norm: bool = False, nan_last_stage: bool | str = False,
+                 dp_rank: int = 0, lr: float = LR, fused: bool = False,
+                 hidden: int | None = None, steps: int = STEPS) -> dict:
     """STEPS schedule steps; returns {stage index: {"params": [...], counters...}} and, on the
     optimizer step that raised, the exception."""
     from torch.distributed.pipelining import PipelineStage
@@ -179,16 +187,30 @@ def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
     from accumkernels.integrations.pipelining import accumulate_weight_passes
 
     indices, num_stages = stage_indices(schedule, pp_rank, pp_size)
-    mods = [stage_module(i, num_stages, dtype) for i in indices]
+    widths = WIDTHS if hidden is None else (WIDTHS[0], hidden, hidden, hidden, WIDTHS[-1])
+    mods = [stage_module(i, num_stages, dtype, widths) for i in indices]
+    clock = {"step": -1, "calls": 0}
+    if nan_last_stage and num_stages - 1 in indices:  # a non-finite gradient on that stage only
+        bias = mods[indices.index(num_stages - 1)][-1].bias
+
+        def poison(grad):
+            clock["calls"] += 1
+            if clock["step"] == NAN_STEP and (clock["calls"] == NAN_MB + 1
+                                              or nan_last_stage == "every micro-batch"):
+                return grad * float("nan")
+            return grad
+        bias.register_hook(poison)
     submods = mods
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        submods = [DDP(m, process_group=dp_group) for m in mods]
+        # static_graph: torch 2.13's DDP inside a pipeline stage fails its bucket rebuild at the
+        # second schedule step otherwise (natively too)
+        submods = [DDP(m, process_group=dp_group, static_graph=True) for m in mods]
     stages = [PipelineStage(s, i, num_stages, torch.device("cpu"), group=pp_group)
               for s, i in zip(submods, indices)]
     opts = []
     for m, s in zip(mods, submods):
-        inner = torch.optim.AdamW(m.parameters(), lr=LR)
+        inner = torch.optim.AdamW(m.parameters(), lr=lr, fused=fused or None)
         if wrapper is None:
             opts.append(inner)
             continue
@@ -212,9 +234,12 @@ def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
     sched = build_schedule(schedule, stages, make_loss("sum" if weighted else loss, loss_scale),
                            scale_grads)
     out: dict = {"raised": {}, "norms": []}
+    start = {i: snapshot(m) for i, m in zip(indices, mods)}
     for step in range(steps):
+        clock["step"], clock["calls"] = step, 0
         x, target = batch(step, dtype, nan=nan and step == NAN_STEP,
-                          mask_nan_mb=mask_nan_mb and step == NAN_STEP, weighted=weighted)
+                          mask_nan_mb=mask_nan_mb and step == NAN_STEP, weighted=weighted,
+                          replica=dp_rank)
         if weighted and wrapper is not None:
             for opt in opts:
                 for w in micro_weights(target):
@@ -224,7 +249,7 @@ def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
             native_boundary(mods, opts, step, target, native_skip_nan_step=native_skip_nan_step,
                             native_divide_by_weight=native_divide_by_weight and weighted,
                             dp_group=dp_group if native_dp_average else None, clip=clip,
-                            pp_group=pp_group if native_clip_across else None, out=out)
+                            across=native_clip_across, pp_group=pp_group, out=out)
             continue
         for i, opt in zip(indices, opts):
             try:
@@ -236,9 +261,11 @@ def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
         if clip is not None:
             out["norms"].append([float(o.last_grad_norm) for o in opts])
     for i, m, opt in zip(indices, mods, opts):
-        out[i] = {"params": snapshot(m)}
+        out[i] = {"params": snapshot(m), "start": start[i]}
         if wrapper is not None:
-            out[i].update(skipped_steps=opt.skipped_steps,
+            out[i].update(masters=[q.detach().double().clone() for q in opt.master_params]
+                          if dtype != torch.float32 else None,
+                          skipped_steps=opt.skipped_steps,
                           skipped_microbatches=opt.skipped_microbatches,
                           micro_steps=opt.micro_steps)
     return out
@@ -246,7 +273,7 @@ def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
 
 @torch.no_grad()
 def native_boundary(mods, opts, step, target, *, native_skip_nan_step, native_divide_by_weight,
-                    dp_group, clip, pp_group, out):
+                    dp_group, clip, across, pp_group, out):
     """What a native loop does between ``schedule.step`` and ``optimizer.step``."""
     params = [p for m in mods for p in m.parameters() if p.grad is not None]
     if native_divide_by_weight:
@@ -260,7 +287,7 @@ def native_boundary(mods, opts, step, target, *, native_skip_nan_step, native_di
             p.grad.div_(world)
     if clip is not None:  # torchtitan: the norm of every stage's gradients, over the PP group
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-        if pp_group is not None or dist.is_initialized():
+        if across:
             norm = norm ** 2
             dist.all_reduce(norm, group=pp_group)
             norm = norm ** 0.5
@@ -301,12 +328,147 @@ def schedules_fp32(rank: int, world: int, schedules=SCHEDULES) -> dict:
                                             "nonfinite": "skip_microbatch"}, nan=True)
         r["raise"] = run(wrapper={"accumulation_steps": N_MB, "nonfinite": "raise"}, nan=True,
                          steps=NAN_STEP + 1)
-        r["native_bf16"] = run(dtype=torch.bfloat16)
-        r["bf16"] = run(wrapper={"accumulation_steps": N_MB}, dtype=torch.bfloat16)
+        # bf16: small steps (lr 1e-3), where rounding the update into bf16 params loses most
+        r["fp32_small_lr"] = run(lr=BF16_LR)
+        r["native_bf16"] = run(dtype=torch.bfloat16, lr=BF16_LR)
+        r["bf16"] = run(wrapper={"accumulation_steps": N_MB}, dtype=torch.bfloat16, lr=BF16_LR)
     return results
 
 
-SCENARIOS = {"schedules": schedules_fp32}
+def equal_stage(index: int) -> torch.nn.Module:
+    """Stages of one shape (Linear(32, 32) + Tanh), different weights per stage."""
+    torch.manual_seed(100 + index)
+    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+
+
+def guard_and_clip(rank: int, world: int) -> dict:
+    """The guard (a pure pipeline without independent_ranks; process_group over two stages) and
+    clipping by the whole pipeline's norm."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from accumkernels import AccumulatingOptimizer
+    from accumkernels.integrations.pipelining import accumulate_weight_passes
+
+    out: dict = {}
+    cpu = torch.device("cpu")
+    # 1. a pure pipeline, nothing said: refused at the first step, with advice that fits
+    mod = stage_module(rank, world, torch.float32)
+    stage = PipelineStage(mod, rank, world, cpu)
+    opt = AccumulatingOptimizer(torch.optim.AdamW(mod.parameters(), lr=LR),
+                                accumulation_steps=N_MB)
+    accumulate_weight_passes(stage)
+    sched = build_schedule("GPipe", [stage], make_loss(), True)
+    x, target = batch(0)
+    sched.step(x, target=target)
+    before = snapshot(mod)
+    try:
+        opt.step()
+        out["pure_pipeline"] = None
+    except RuntimeError as exc:
+        out["pure_pipeline"] = str(exc)
+    out["pure_pipeline_untouched"] = all(torch.equal(a, b) for a, b in
+                                         zip(before, snapshot(mod)))
+    # 2. process_group=WORLD across two stages: refused on every rank before any broadcast,
+    # stages of equal shapes (told apart by accumulate_weight_passes' mark) and of other shapes
+    for case in ("equal_shapes", "other_shapes"):
+        mod = equal_stage(rank) if case == "equal_shapes" else stage_module(rank, world,
+                                                                            torch.float32)
+        stage = PipelineStage(mod, rank, world, cpu)
+        accumulate_weight_passes(stage)  # right after building the stage: the README's order
+        before = snapshot(mod)
+        try:
+            AccumulatingOptimizer(torch.optim.AdamW(mod.parameters(), lr=LR),
+                                  process_group=dist.group.WORLD)
+            out[case] = None
+        except ValueError as exc:
+            out[case] = str(exc)
+        out[case + "_untouched"] = all(torch.equal(a, b) for a, b in zip(before, snapshot(mod)))
+    # 3. the wrapper built first: its broadcast cannot be undone, but the line says so
+    mod = equal_stage(rank)
+    stage = PipelineStage(mod, rank, world, cpu)
+    kept = AccumulatingOptimizer(torch.optim.AdamW(mod.parameters(), lr=LR),  # noqa: F841
+                                 process_group=dist.group.WORLD)
+    try:
+        accumulate_weight_passes(stage)
+        out["wrapper_first"] = None
+    except ValueError as exc:
+        out["wrapper_first"] = str(exc)
+    dist.barrier()  # the group still works after the refusals
+    # 4. clipping by the whole pipeline's norm (torchtitan's clip over the pipeline group)
+    clip = {}
+    for name in ("GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"):
+        run = lambda **kw: run_pipeline(name, pp_rank=rank, pp_size=world, clip=CLIP,  # noqa
+                                        **kw)
+        clip[name] = {
+            "native": run(native_clip_across=True),
+            "wrapper": run(wrapper={"accumulation_steps": N_MB}, stage_norm=True),
+            "wrapper_none": run(wrapper={}, stage_norm=True),
+            "per_stage": run(wrapper={"accumulation_steps": N_MB}),  # without: each its own
+            # a fused AdamW takes the normalisation in its grad_scale (the wrapper folds 1/4 of
+            # "mean" there): the norm measured before the fold, scaled
+            "native_fused": run(native_clip_across=True, fused=True),
+            "mean_fused": run(wrapper={"reduction": "mean"}, scale_grads=False, fused=True,
+                              stage_norm=True),
+        }
+    out["clip"] = clip
+    # 5. a non-finite gradient on the last stage only: every stage skips together
+    nan = {}
+    for name in ("GPipe", "ZBVZeroBubble"):
+        run = lambda **kw: run_pipeline(name, pp_rank=rank, pp_size=world,  # noqa: E731
+                                        nan_last_stage=True, **kw)
+        nan[name] = {"native_skip_step": run(native_skip_nan_step=True),
+                     "together": run(wrapper={"accumulation_steps": N_MB}, stage_norm=True),
+                     "apart": run(wrapper={"accumulation_steps": N_MB})}
+        # every micro-batch of that stage dropped: its step skips before measuring a norm, and
+        # still takes part in the round (no rank waits for it)
+        nan[name]["all_dropped"] = run_pipeline(
+            name, pp_rank=rank, pp_size=world, nan_last_stage="every micro-batch",
+            wrapper={"accumulation_steps": N_MB, "nonfinite": "skip_microbatch"}, clip=CLIP,
+            stage_norm=True)
+    out["nan_last_stage"] = nan
+    return out
+
+
+def two_d(rank: int, world: int) -> dict:
+    """2 pipeline stages x 2 data-parallel replicas on 4 ranks: rank = 2 * replica + stage
+    position; pipeline groups {0, 1}, {2, 3}; data-parallel groups {0, 2}, {1, 3}."""
+    pp_size, dp_size = 2, world // 2
+    pp_rank, dp_rank = rank % pp_size, rank // pp_size
+    pp_groups = [dist.new_group([d * pp_size + p for p in range(pp_size)])
+                 for d in range(dp_size)]
+    dp_groups = [dist.new_group([d * pp_size + p for d in range(dp_size)])
+                 for p in range(pp_size)]
+    pp_group, dp_group = pp_groups[dp_rank], dp_groups[pp_rank]
+    out: dict = {"pp_rank": pp_rank, "dp_rank": dp_rank}
+    for name in ("GPipe", "1F1B", "ZBVZeroBubble"):
+        run = lambda **kw: run_pipeline(name, pp_group=pp_group, pp_rank=pp_rank,  # noqa
+                                        pp_size=pp_size, dp_group=dp_group, dp_rank=dp_rank,
+                                        **kw)
+        r = out[name] = {}
+        r["native"] = run(native_dp_average=True)
+        r["group_n"] = run(wrapper={"accumulation_steps": N_MB})
+        r["group_none"] = run(wrapper={})
+        r["group_mean"] = run(wrapper={"reduction": "mean"}, scale_grads=False)
+        r["native_clip"] = run(native_dp_average=True, clip=CLIP, native_clip_across=True)
+        r["group_clip"] = run(wrapper={"accumulation_steps": N_MB}, clip=CLIP, stage_norm=True)
+        if name != "ZBVZeroBubble":  # DDP inside the stage: pipelining's full-backward path
+            r["native_ddp"] = run(ddp=True)
+            r["ddp"] = run(wrapper={"accumulation_steps": N_MB}, ddp=True)
+            r["ddp_none"] = run(wrapper={}, ddp=True)
+    # wide layers: the schedule's scale_grads divides p.grad in place right after the last
+    # backward, whose overlapped all-reduce of the same memory must be complete by then
+    wide = out["wide"] = {}
+    for name in ("GPipe", "ZBVZeroBubble"):
+        run = lambda **kw: run_pipeline(name, pp_group=pp_group, pp_rank=pp_rank,  # noqa
+                                        pp_size=pp_size, dp_group=dp_group, dp_rank=dp_rank,
+                                        hidden=WIDE, steps=2, **kw)
+        wide[name] = {"native": run(native_dp_average=True),
+                      "group_n": run(wrapper={"accumulation_steps": N_MB,
+                                              "bucket_size_mb": 0.25})}
+    return out
+
+
+SCENARIOS = {"schedules": schedules_fp32, "guard_and_clip": guard_and_clip, "two_d": two_d}
 
 
 def _rank_main(rank: int, out_dir: str, scenario: str, kwargs: dict) -> None:
@@ -320,28 +482,3 @@ def run_ranks(tmp_path, scenario: str, world: int = 2, timeout: float = 150.0,
     """Run ``scenario`` on ``world`` spawned gloo ranks; each rank's result, rank order."""
     return spawn_ranks(_rank_main, str(tmp_path), scenario, {"world": world, **kwargs}, world,
                        timeout)
-
-
-if __name__ == "__main__":  # quick manual run: python _pipelining_workers.py [schedule...]
-    import sys
-    import time
-    t = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        names = tuple(sys.argv[1:]) or SCHEDULES
-        res = run_ranks(tmp, "schedules", schedules=names)
-    print(f"{time.time() - t:.1f} s")
-    with contextlib.suppress(Exception):
-        for name in names:
-            for rank, rr in enumerate(res):
-                r = rr[name]
-                native = r["native"]
-                for case, v in r.items():
-                    if case.startswith("native"):
-                        continue
-                    stages = [k for k in v if isinstance(k, int)]
-                    eq = all(all(torch.equal(a, b) for a, b in zip(v[s]["params"],
-                                                                   native[s]["params"]))
-                             for s in stages)
-                    print(name, rank, case, "equal-native" if eq else "differs",
-                          {s: (v[s].get("skipped_steps"), v[s].get("skipped_microbatches"))
-                           for s in stages}, v["raised"])
