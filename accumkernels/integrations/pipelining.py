@@ -113,7 +113,8 @@ def clip_across_stages(optimizers, group=None) -> None:
     Call it once on every rank of the pipeline, with the same number of wrappers per rank, and
     step all of them at every window end (each step takes part in one all-reduce of a float
     over ``group`` per window)."""
-    from accumkernels.optim.sync import DDPSync, GroupSync, LocalSync, StageNorm
+    from accumkernels.optim.sync import GroupSync, LocalSync, StageNorm
+    from accumkernels.optim.sync_ddp import DDPSync
 
     optimizers = list(optimizers)
     for opt in optimizers:
