@@ -214,8 +214,14 @@ class GroupSync(LocalSync):
         return self._totals
 
     def agree_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        """No agreement needed: the window is reduced inside ``step()`` just before it is
-        measured, so a rank's non-finite value reaches every rank through the sum."""
+        """Non-finite on every rank if on one (one flag all-reduce): with N given the window's
+        buckets were summed during its last backward, so a value written into one rank's
+        ``p.grad`` after it reaches no other rank through the sum; the ranks still skip (or
+        raise) together, never step apart."""
+        bad = (~torch.isfinite(norm)).double().reshape(1)
+        self.reducer.wait(dist.all_reduce(bad, group=self.reducer.group, async_op=True),
+                          "non-finite check")
+        norm = norm if float(bad) == 0 else torch.full_like(norm, float("nan"))
         return self.across_stages(norm)
 
     def reset(self) -> None:

@@ -503,7 +503,7 @@ def scenario_written_nonfinite(rank: int) -> dict:
     from accumkernels import AccumulatingOptimizer
 
     out: dict = {}
-    for mode in ("ddp", "process_group"):
+    for mode in ("ddp", "process_group", "process_group_n"):
         for policy in ("skip_step", "raise"):
             model = mlp()
             inner = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -512,8 +512,12 @@ def scenario_written_nonfinite(rank: int) -> dict:
                 opt = AccumulatingOptimizer(inner, model=net, nonfinite=policy, max_grad_norm=CLIP)
             else:
                 net = model
+                # process_group_n: N given, the window's buckets are summed during its last
+                # backward, before the NaN is written
+                n = ACCUM if mode == "process_group_n" else None
                 opt = AccumulatingOptimizer(inner, process_group=dist.group.WORLD,
-                                            nonfinite=policy, max_grad_norm=CLIP)
+                                            nonfinite=policy, max_grad_norm=CLIP,
+                                            accumulation_steps=n)
             params, raised = [], []
             for step in range(3):
                 for i in range(ACCUM):

@@ -241,7 +241,7 @@ def test_nonfinite_written_on_one_rank_is_agreed(tmp_path):
     or ``process_group``): both ranks skip that window (``skip_step``: params unchanged by it)
     or both raise (``raise``); the other windows step and the ranks stay identical."""
     results = run_ranks(tmp_path, "written_nonfinite", timeout=120)
-    for mode in ("ddp", "process_group"):
+    for mode in ("ddp", "process_group", "process_group_n"):
         for rank, result in enumerate(results):
             r = result[f"{mode}_skip_step"]
             assert r["skipped"] == 1, f"{mode}, rank {rank}: skipped {r['skipped']}"
