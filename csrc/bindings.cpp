@@ -143,7 +143,16 @@ constexpr bool kHasCuda =
 
 }  // namespace
 
+namespace ak {
+// The fused master step (csrc/master_step_cpu.cpp; the CUDA kernel and its host emulation,
+// csrc/master_step_cuda_host.cpp): each file binds its own functions.
+void bind_master_step_cpu(pybind11::module_& m);
+void bind_master_step_cuda(pybind11::module_& m);
+}  // namespace ak
+
 PYBIND11_MODULE(_C, m) {
+  ak::bind_master_step_cpu(m);
+  ak::bind_master_step_cuda(m);
   m.doc() = "accumkernels native kernels: fused multi-tensor dst += scale * float32(src)";
   m.attr("DTYPE_FLOAT32") = static_cast<int>(ak::kFloat32);
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(ak::kBFloat16);
