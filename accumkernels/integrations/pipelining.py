@@ -55,11 +55,10 @@ def _check_owner_group(stage) -> None:
     stage's pipeline group reduced over different stages (and broadcast one's weights over the
     others' at its construction): say so instead of training on."""
     owner = _owner(stage)
-    sync = owner._parts.sync if owner is not None else None
-    reducer = getattr(sync, "reducer", None)
-    if reducer is None or sync.ddp_group is not None or not dist.is_initialized():
+    group = owner.process_group if owner is not None else None
+    if group is None or not dist.is_initialized():
         return
-    shared = _ranks(reducer.group) & _ranks(stage.group)
+    shared = _ranks(group) & _ranks(stage.group)
     if len(shared) > 1:
         raise ValueError(
             f"accumulate_weight_passes: the AccumulatingOptimizer of pipeline stage "
@@ -113,18 +112,16 @@ def clip_across_stages(optimizers, group=None) -> None:
     Call it once on every rank of the pipeline, with the same number of wrappers per rank, and
     step all of them at every window end (each step takes part in one all-reduce of a float
     over ``group`` per window)."""
-    from accumkernels.optim.sync import GroupSync, LocalSync, StageNorm
-    from accumkernels.optim.sync_ddp import DDPSync
+    from accumkernels.optim.optimizer import AccumulatingOptimizer
+    from accumkernels.optim.sync import StageNorm
 
     optimizers = list(optimizers)
     for opt in optimizers:
-        sync = getattr(getattr(opt, "_parts", None), "sync", None)
-        if type(sync) not in (LocalSync, GroupSync, DDPSync):
+        if not isinstance(opt, AccumulatingOptimizer):
             raise TypeError(f"clip_across_stages expects the AccumulatingOptimizers of this "
-                            f"rank's stages (flat, DDP or process_group windows; not FSDP2), got "
-                            f"{type(opt).__name__}")
+                            f"rank's stages, got {type(opt).__name__}")
     if not dist.is_initialized():
         raise ValueError("clip_across_stages needs torch.distributed (the pipeline group)")
-    norm = StageNorm(optimizers, group)
+    norm = StageNorm(group)
     for opt in optimizers:
-        opt._parts.sync.stage_norm = norm
+        opt.join_stage_norm(norm)

@@ -106,6 +106,7 @@ class MeshSync(LocalSync):
     What a backward, a bucket or a weight means for the local sync (nothing) it means here."""
 
     active = True
+    joins_stage_norm = False  # pipelining's clip_across_stages: flat windows only
 
     def __init__(self, mesh, averaged: bool):
         super().__init__(independent_ranks=False)

@@ -35,7 +35,6 @@ from accumkernels.optim.parts import (Parts, attach_slots, build_rooms, layout_f
                                       resolve_backends)
 from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
 from accumkernels.optim.scaling import LossScaler
-from accumkernels.optim.step import NO_WEIGHTS
 from accumkernels.optim.sync_ddp import ddp_sync_for
 
 __all__ = ["AccumulatingOptimizer"]
@@ -44,25 +43,24 @@ _OWNER_ATTR = "_accumkernels_wrapper"
 
 
 class _Events:
-    """The intake's one seam upward, held by it; holds the face weakly."""
+    """The intake's one seam upward: the step room and the move-following of the current
+    rooms (``AccumulatingOptimizer._build`` binds them; nothing here holds the face)."""
 
-    def __init__(self, face: AccumulatingOptimizer):
-        self.face = weakref.ref(face)
+    def __init__(self):
+        self.step = None
+        self.moved = None
+
+    def bind(self, step, moved) -> None:
+        self.step, self.moved = step, moved
 
     def microbatch_ended(self, kept: bool) -> None:
-        face = self.face()
-        if face is not None:
-            face._step.microbatch_ended(kept)
+        self.step.microbatch_ended(kept)
 
     def window_dropped(self) -> None:
-        face = self.face()
-        if face is not None:
-            face._step.reset_window()
+        self.step.reset_window()
 
     def params_moved(self) -> None:
-        face = self.face()
-        if face is not None:
-            follow_move(face._parts, face._layout, face._intake)
+        self.moved()
 
 
 class AccumulatingOptimizer(torch.optim.Optimizer):
@@ -132,7 +130,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             p.dtype in LOW_PRECISION for p in params) or master_weights is True)
         self._parts = Parts(config, optimizer, names, masters, None, LossScaler(config.loss_scale),
                             OutsideParams(optimizer))
-        self._events = _Events(self)
+        self._events = _Events()
         self._intake = self._step = None
         self._build(params, process_group=process_group)
         if ddp is not None:
@@ -148,8 +146,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self._intake is not None:
             self._intake.hide_all()
             self._intake.remove()
+        old = self._step
         self._intake, self._step = build_rooms(self._parts, self._layout, params, self._events,
                                                process_group)
+        intake, parts, layout = self._intake, self._parts, self._layout
+        self._events.bind(self._step, lambda: follow_move(parts, layout, intake))
+        if old is not None and parts.sync.stage_norm is not None:
+            parts.sync.stage_norm.replace(old, self._step)
         weakref.finalize(self, remove_handles, self._intake.handles)  # hooks go with the wrapper
         attach_slots(self, self._intake, params, self._parts.nonfinite.per_microbatch)
 
@@ -206,40 +209,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """
         args = (self,) if closure is None else (self, closure)
         if closure is not None and self._needs_closure:
-            return protocol.run_step(self, args, {},
-                                     lambda: self._step.closure_step(closure, self._take_in))
+            return protocol.run_step(self, args, {}, lambda: self._step.closure_step(closure))
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._maybe_step(force=False, args=args)
+        self._step.end_window(False, self.sync_step,
+                              lambda: protocol.run_step(self, args, {}, self._step.run))
         return loss
 
     @torch.no_grad()
     def flush(self) -> None:
         """Take the step now, for a short last window (e.g. at the end of an epoch)."""
-        self._maybe_step(force=True, args=(self,))
-
-    def _maybe_step(self, force: bool, args: tuple) -> None:
-        parts = self._parts
-        self._intake.take_in()
-        window = parts.window
-        if window.empty and not parts.outside.with_grad():
-            return
-        if window.micro_steps == 0:  # gradients assigned (or zeroed) without a backward: one
-            self._step.microbatch_ended(True)  # micro-batch, as accumulate_in_backward=False
-        if not parts.sync.active and window.needs_weights(force, self.sync_step):
-            raise ValueError(NO_WEIGHTS)
-        if window.due(force):
-            protocol.run_step(self, args, {}, self._step.run)
-
-    def _take_in(self) -> None:
-        """Take in what a closure's backward left in ``.grad`` (one micro-batch if none was
-        counted)."""
-        self._intake.take_in()
-        window = self._parts.window
-        if not window.empty and window.micro_steps == 0:
-            self._step.microbatch_ended(True)
+        self._step.end_window(True, self.sync_step,
+                              lambda: protocol.run_step(self, (self,), {}, self._step.run))
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
@@ -266,6 +249,21 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def master_params(self) -> list[torch.nn.Parameter]:
         """The fp32 master copies the inner optimizer steps (registration order)."""
         return self._parts.masters.master_list()
+
+    @property
+    def process_group(self):
+        """The group ``process_group=`` reduces the window over (else None; DDP: its own)."""
+        sync = self._parts.sync
+        return sync.reducer.group if sync.active and sync.ddp_group is None else None
+
+    def join_stage_norm(self, stage_norm) -> None:
+        """Clip by a norm measured with other pipeline stages' wrappers (``clip_across_stages``)."""
+        sync = self._parts.sync
+        if not sync.joins_stage_norm:
+            raise TypeError("clip_across_stages expects the AccumulatingOptimizers of this "
+                            "rank's stages (flat, DDP or process_group windows; not FSDP2)")
+        stage_norm.add(self._step)
+        sync.stage_norm = stage_norm
 
     @property
     def collective_timeout(self) -> float | None:

@@ -82,6 +82,27 @@ class Step:
         self.nonfinite.reset()
         self.sync.reset()
 
+    def end_window(self, force: bool, sync_step: bool, run) -> None:
+        """``step()``/``flush()``: take in what is in ``.grad``, then ``run()`` (the real step,
+        with the step hooks) if the window is due (``sync_step``: N micro-batches are in)."""
+        self.intake.take_in()
+        window = self.window
+        if window.empty and not self.outside.with_grad():
+            return
+        if window.micro_steps == 0:  # gradients assigned (or zeroed) without a backward: one
+            self.microbatch_ended(True)  # micro-batch, as accumulate_in_backward=False
+        if not self.sync.active and window.needs_weights(force, sync_step):
+            raise ValueError(NO_WEIGHTS)
+        if window.due(force):
+            run()
+
+    def take_in(self) -> None:
+        """Take in what a closure's backward left in ``.grad`` (one micro-batch if none was
+        counted)."""
+        self.intake.take_in()
+        if not self.window.empty and self.window.micro_steps == 0:
+            self.microbatch_ended(True)
+
     # -- the phases ------------------------------------------------------------------------------
     def run(self) -> None:
         totals = self.gather()
@@ -155,6 +176,41 @@ class Step:
         self.scaler.update(found_inf=False)
         self.reset_window()
 
+    # -- measured ahead of the step (pipeline stages clip by one norm: sync.StageNorm) -----------
+    def due(self) -> bool:
+        """Whether the next ``step()`` ends this window (a real step that takes part in a norm
+        round)."""
+        n = self.config.accumulation_steps
+        complete = n is None or self.window.micro_steps + self.intake.unmoved >= n
+        return complete and not self.window.empty
+
+    def pending_factor(self) -> float:
+        """What the step still multiplies the measured norm by: the window holds sum / divisor,
+        the step uses sum / target (1.0 once it normalised)."""
+        target = self.window.target_divisor(self.sync.agreed_totals())
+        return self.window.divisor / target if target else 1.0
+
+    def final_square(self, must: bool = False) -> float:
+        """The squared norm this step will measure, measured before it (``must``: this wrapper
+        is stepping now): the window gathered (``gather``, which the step then finds done) and
+        normalised as ``decide`` normalises it. 0.0 for a window that will not step now, or
+        that dropped every micro-batch."""
+        if not (must or self.due()):
+            return 0.0
+        self.intake.take_in()
+        totals = self.gather()
+        window = self.window
+        kept = totals.kept if totals is not None else window.kept
+        target = window.target_divisor(totals)
+        if kept == 0 or not target:
+            return 0.0
+        views = [v for p, v in zip(self.params, self.intake.views) if window.holds(p)]
+        square = (float(grad_norm(views)) * window.divisor / target) ** 2
+        outside = [p.grad for p in self.outside.with_grad() if not p.grad.is_sparse]
+        if outside:
+            square += (float(grad_norm(outside)) / (self.scaler.scale * target)) ** 2
+        return square
+
     # -- outcomes other than a step ---------------------------------------------------------------
     def skip(self) -> None:
         self.nonfinite.skipped_steps += 1
@@ -166,7 +222,7 @@ class Step:
             raise FloatingPointError(f"non-finite gradient in {self._first_nonfinite()}")
         self.skip()
 
-    def closure_step(self, closure, take_in):
+    def closure_step(self, closure):
         """An inner optimizer that requires a closure (LBFGS) evaluates it itself, maybe
         several times: each evaluation runs at the inner optimizer's current point (masters
         copied into the model), fills a fresh window (``take_in()`` takes in and counts what the
@@ -179,7 +235,7 @@ class Step:
             with torch.enable_grad():
                 loss = closure()
             with torch.no_grad():
-                take_in()
+                self.take_in()
                 self.window.zero_untouched(self.params, self.intake.views)
                 self.window.normalise(self.window.target_divisor() or 1.0)
                 self.outside.scale(1.0 / (self.scaler.scale * self.window.divisor))

@@ -69,6 +69,7 @@ class LocalSync:
     ddp_group = None
     timeout_s = None
     stage_norm = None  # StageNorm: the norm is the whole pipeline's (pipelining.clip_across_stages)
+    joins_stage_norm = True
 
     def __init__(self, independent_ranks: bool):
         self.independent_ranks = independent_ranks
@@ -258,32 +259,42 @@ class StageNorm:
     serves the round. A later wrapper of the round takes that total with its own share
     measured again, from its window as it is at its step. A non-finite window anywhere makes
     the norm non-finite on every stage, so every stage skips (or raises) together.
+
+    Its members are the wrappers' step rooms (``Step``: ``sync``, ``due``, ``pending_factor``,
+    ``final_square``), added by ``AccumulatingOptimizer.join_stage_norm``.
     """
 
-    def __init__(self, faces: list, group, timeout_s: float = 300.0):
-        self.faces = [weakref.ref(f) for f in faces]
+    def __init__(self, group, timeout_s: float = 300.0):
+        self.members: list = []
         self.group = group
         self.timeout_s = timeout_s
         self._round: dict | None = None  # {"total": float, "shares": {k: float}, "due": set}
         self._measuring = False
 
+    def add(self, step) -> None:
+        self.members.append(weakref.ref(step))
+
+    def replace(self, old, new) -> None:
+        """A wrapper rebuilt its rooms (``add_param_group``): its new step takes the old place."""
+        self.members = [weakref.ref(new) if ref() is old else ref for ref in self.members]
+
     def _index(self, sync) -> tuple[list, int | None]:
-        faces = [ref() for ref in self.faces]
-        return faces, next((i for i, f in enumerate(faces)
-                            if f is not None and f._parts.sync is sync), None)
+        steps = [ref() for ref in self.members]
+        return steps, next((i for i, s in enumerate(steps)
+                            if s is not None and s.sync is sync), None)
 
     def gathered(self, sync) -> None:
         """A wrapper's step reduced its window (``finish``; every real step gets here, also one
         that will skip): the round's all-reduce, unless this wrapper's round is under way."""
         if self._measuring:
             return
-        faces, k = self._index(sync)
+        steps, k = self._index(sync)
         if k is None or (self._round is not None and k in self._round["due"]):
             return
         self._measuring = True
         try:
-            shares = {i: _final_square(f, must=(i == k)) for i, f in enumerate(faces)
-                      if f is not None}
+            shares = {i: s.final_square(must=(i == k)) for i, s in enumerate(steps)
+                      if s is not None}
         finally:
             self._measuring = False
         total = torch.tensor([sum(shares.values())], dtype=torch.float64)
@@ -296,7 +307,7 @@ class StageNorm:
                 "norm (clip_across_stages): every rank of the pipeline group must step its "
                 "stages' wrappers at every window end") from exc
         self._round = {"total": float(total), "shares": shares,
-                       "due": {i for i in shares if i == k or _due(faces[i])}}
+                       "due": {i for i in shares if i == k or steps[i].due()}}
 
     def leave(self, sync) -> None:
         _, k = self._index(sync)
@@ -308,7 +319,7 @@ class StageNorm:
     def agree(self, sync, norm: torch.Tensor) -> torch.Tensor:
         """The pipeline's norm for this wrapper's step: the round's total, with this wrapper's
         share measured again from its window as the step sees it (``norm``)."""
-        faces, k = self._index(sync)
+        steps, k = self._index(sync)
         if k is None:  # (a wrapper no longer in the set)
             return norm
         if self._round is None or k not in self._round["due"]:
@@ -317,53 +328,8 @@ class StageNorm:
         rnd["due"].discard(k)
         if not rnd["due"]:
             self._round = None
-        factor = _factor(faces[k])
+        factor = steps[k].pending_factor()
         own = (float(norm) * factor) ** 2
         square = rnd["total"] - rnd["shares"][k] + own
         value = math.sqrt(square) / factor if math.isfinite(square) else float("nan")
         return torch.tensor(value, dtype=norm.dtype, device=norm.device)
-
-
-def _due(face) -> bool:
-    """Whether the wrapper's next ``step()`` ends its window (it will take part in the round)."""
-    return face is not None and face.sync_step and not face._parts.window.empty
-
-
-def _target(parts, totals) -> float | None:
-    return parts.window.target_divisor(totals)
-
-
-def _factor(face) -> float:
-    """What the step still multiplies the measured norm by: the window holds sum / divisor, the
-    step uses sum / target (1.0 once it normalised)."""
-    parts = face._parts
-    target = _target(parts, parts.sync.agreed_totals())
-    return parts.window.divisor / target if target else 1.0
-
-
-def _final_square(face, must: bool = False) -> float:
-    """The squared norm the wrapper's step measures, measured before it (for the wrapper
-    stepping now, ``must``: while its step gathers): its window reduced over its data-parallel
-    ranks and agreed on (``finish``, which its step then finds done), normalised as the step
-    normalises it. 0.0 for a window that will not step, or that dropped every micro-batch."""
-    if not (must or _due(face)):
-        return 0.0
-    from accumkernels.optim.nonfinite import grad_norm  # (nonfinite imports nothing of ours)
-    parts, intake = face._parts, face._intake
-    intake.take_in()
-    window, sync = parts.window, parts.sync
-    sync.check_world()
-    window.zero_untouched(parts.params, intake.views)
-    totals = sync.finish(parts.nonfinite.found_inf)
-    if totals is not None:
-        window.keep_only(parts.params, totals.touched)
-    kept = totals.kept if totals is not None else window.kept
-    target = _target(parts, totals)
-    if kept == 0 or not target:
-        return 0.0
-    views = [v for p, v in zip(parts.params, intake.views) if window.holds(p)]
-    square = (float(grad_norm(views)) * window.divisor / target) ** 2
-    outside = [p.grad for p in parts.outside.with_grad() if not p.grad.is_sparse]
-    if outside:
-        square += (float(grad_norm(outside)) / (parts.scaler.scale * target)) ** 2
-    return square

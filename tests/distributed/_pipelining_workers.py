@@ -393,6 +393,20 @@ def guard_and_clip(rank: int, world: int) -> dict:
         out["wrapper_first"] = None
     except ValueError as exc:
         out["wrapper_first"] = str(exc)
+    out["process_group_property"] = kept.process_group is dist.group.WORLD
+    # 3b. an FSDP2 wrapper cannot join the pipeline's norm (its window is sharded)
+    from torch.distributed.fsdp import fully_shard
+
+    from accumkernels.integrations.pipelining import clip_across_stages
+    sharded = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fully_shard(sharded)
+    fsdp_opt = AccumulatingOptimizer(torch.optim.AdamW(sharded.parameters(), lr=LR),
+                                     model=sharded)
+    try:
+        clip_across_stages([fsdp_opt])
+        out["fsdp2_joins"] = None
+    except TypeError as exc:
+        out["fsdp2_joins"] = str(exc)
     dist.barrier()  # the group still works after the refusals
     # 4. clipping by the whole pipeline's norm (torchtitan's clip over the pipeline group)
     clip = {}

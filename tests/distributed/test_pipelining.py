@@ -171,6 +171,12 @@ def test_wrapper_built_before_the_line_over_two_stages_is_reported(guard_and_cli
         assert r["wrapper_first"] is not None
         assert "different stages" in r["wrapper_first"]
         assert "broadcast" in r["wrapper_first"]
+        assert r["process_group_property"]  # opt.process_group: the group it reduces over
+
+
+def test_clip_across_stages_refuses_an_fsdp2_wrapper(guard_and_clip):
+    for r in guard_and_clip:
+        assert r["fsdp2_joins"] is not None and "not FSDP2" in r["fsdp2_joins"]
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"])
@@ -293,6 +299,7 @@ def test_clip_across_stages_refuses_what_is_not_a_stage_wrapper():
         with pytest.raises(ValueError, match="needs torch.distributed"):
             clip_across_stages([opt])
     assert opt._parts.sync.stage_norm is None
+    assert opt.process_group is None
 
 
 def test_accumulate_weight_passes_refuses_what_is_not_a_stage():
