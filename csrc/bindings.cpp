@@ -143,12 +143,12 @@ constexpr bool kHasCuda =
 
 }  // namespace
 
-namespace ak {
+namespace accumkernels {
 // The fused master step (csrc/master_step_cpu.cpp; the CUDA kernel and its host emulation,
 // csrc/master_step_cuda_host.cpp): each file binds its own functions.
 void bind_master_step_cpu(pybind11::module_& m);
 void bind_master_step_cuda(pybind11::module_& m);
-}  // namespace ak
+}  // namespace accumkernels
 
 PYBIND11_MODULE(_C, m) {
   ak::bind_master_step_cpu(m);

@@ -1,2 +1,2 @@
 // The fused master step's CUDA kernel (stub: filled in by the fused-master-step work).
-namespace ak {}
+namespace accumkernels {}

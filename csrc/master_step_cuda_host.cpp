@@ -1,6 +1,6 @@
 // The fused master step's CUDA kernel run on the host, and the CUDA launch's binding (stub).
 #include <pybind11/pybind11.h>
 
-namespace ak {
+namespace accumkernels {
 void bind_master_step_cuda(pybind11::module_& m) { (void)m; }
-}  // namespace ak
+}  // namespace accumkernels
