@@ -4,40 +4,24 @@ all-reduces the fp32 window once per optimizer step (overlapped with the last ba
     python examples/data_parallel.py --world-size 2 --steps 3
 
 Spawns the ranks itself (gloo, CPU; the ranks meet through a file store in a temporary
-directory, so no port is picked). Under torchrun, call train() per process.
+directory, so no port is picked), or runs under torchrun (examples/_ranks.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import assert_replicas_agree, launch
 
 import accumkernels
 
 MICRO_BATCHES_PER_RANK = 2
 
 
-def train(rank: int, world_size: int, store: str, steps: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world_size)
-    try:
-        _train(rank, world_size, steps)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # gloo's threads can abort in C++ static destructors at a normal interpreter exit
-    # ("terminate called without an active exception"): this spawned rank leaves without them
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def _train(rank: int, world_size: int, steps: int) -> None:
+def train(rank: int, world_size: int, device: torch.device, steps: int) -> None:
     torch.manual_seed(rank)  # different inits: the wrapper broadcasts rank 0's parameters
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     opt = accumkernels.AccumulatingOptimizer(
@@ -54,10 +38,7 @@ def _train(rank: int, world_size: int, steps: int) -> None:
             loss.backward()  # gradients go to the fp32 window; only the last one communicates
             opt.step()  # a no-op until the window is complete
             opt.zero_grad()
-    checksum = torch.stack([p.detach().sum() for p in model.parameters()]).sum()
-    gathered = [torch.zeros(()) for _ in range(world_size)]
-    dist.all_gather(gathered, checksum)
-    assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks diverged"
+    assert_replicas_agree(model.parameters())
     if rank == 0:
         print(f"final loss {loss.item():.4f} (params identical on {world_size} ranks)")
 
@@ -68,9 +49,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(train, args=(args.world_size, f"{tmp}/store", args.steps),
-                           nprocs=args.world_size, start_method="spawn")
+    launch(train, args.world_size, args.steps, backend="gloo")  # (a CPU model)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from _ranks import assert_replicas_agree, launch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -70,7 +68,8 @@ def micro_batches(model, opt, data, device: str, no_sync: bool, count: int):
     return loss
 
 
-def train(rank: int, world_size: int, args: argparse.Namespace, device: str) -> None:
+def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace) -> None:
+    device = device.type
     model, opt, comm = build(device, world_size, args.bf16_wire)
     data = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
     micro_batches(model, opt, data, device, args.no_sync, ACCUM * args.steps + 2)
@@ -82,10 +81,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: str) -> 
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     loss = micro_batches(model, opt, data, device, args.no_sync, ACCUM - 2)
-    checksum = torch.stack([p.detach().full_tensor().sum() for p in model.parameters()]).sum()
-    gathered = [torch.zeros((), device=device) for _ in range(world_size)]
-    dist.all_gather(gathered, checksum)
-    assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks diverged"
+    assert_replicas_agree(p.full_tensor() for p in model.parameters())
     window = sum(p.main_grad.to_local().numel() * 4 for p in model.parameters())
     numel = sum(p.numel() for p in model.parameters())
     if rank == 0:
@@ -93,21 +89,6 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: str) -> 
                                         f"sent by rank 0 ({comm.fp32_fallbacks} fp32 fallbacks)")
         print(f"final loss {loss.item():.4f}; window {window} B on rank 0 for {numel} params "
               f"({window / numel:.2f} B/param on {world_size} ranks){wire}")
-
-
-def _spawned(rank: int, world_size: int, args: argparse.Namespace, store: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank,
-                            world_size=world_size)
-    try:
-        train(rank, world_size, args, "cpu")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # gloo's threads can abort in C++ static destructors at a normal interpreter exit
-    # ("terminate called without an active exception"): this spawned rank leaves without them
-    sys.stdout.flush()
-    os._exit(0)
 
 
 def main() -> None:
@@ -118,24 +99,12 @@ def main() -> None:
     parser.add_argument("--no-sync", action="store_true")
     parser.add_argument("--checkpoint", default=None)
     args = parser.parse_args()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
-        if args.checkpoint is None:  # every rank needs the same directory
-            args.checkpoint = os.path.join(tempfile.gettempdir(), "accumkernels_fsdp2_ckpt")
-        try:
-            train(dist.get_rank(), dist.get_world_size(), args, "cuda" if cuda else "cpu")
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        return
     with tempfile.TemporaryDirectory() as tmp:
-        if args.checkpoint is None:
-            args.checkpoint = os.path.join(tmp, "ckpt")
-        mp.spawn(_spawned, args=(args.world_size, args, os.path.join(tmp, "store")),
-                 nprocs=args.world_size, join=True)
+        if args.checkpoint is None:  # under torchrun every rank needs the same directory
+            torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+            args.checkpoint = os.path.join(tempfile.gettempdir() if torchrun else tmp,
+                                           "accumkernels_fsdp2_ckpt")
+        launch(train, args.world_size, args)
 
 
 if __name__ == "__main__":

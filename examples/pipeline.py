@@ -28,13 +28,10 @@ Run directly it spawns its ranks on CPU (gloo, a FileStore in a temporary direct
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import assert_replicas_agree, launch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -69,77 +66,56 @@ def stage_module(index: int, num_stages: int, dtype: torch.dtype) -> torch.nn.Mo
     return torch.nn.Sequential(*mods).to(dtype)
 
 
-def train(rank: int, world_size: int, store: str | None, args) -> None:
-    if store is not None:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                                world_size=world_size)
-    else:  # torchrun
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
-        if store is None and torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.set_num_threads(1)
-    try:
-        dp = args.dp
-        pp_size = world_size // dp
-        pp_rank, dp_rank = rank % pp_size, rank // pp_size
-        # every rank creates every group, in the same order
-        pp_groups = [dist.new_group([d * pp_size + p for p in range(pp_size)]) for d in range(dp)]
-        dp_groups = [dist.new_group([d * pp_size + p for d in range(dp)]) for p in range(pp_size)]
-        pp_group, dp_group = pp_groups[dp_rank], dp_groups[pp_rank]
+def train(rank: int, world_size: int, device: torch.device, args) -> None:
+    dp = args.dp
+    pp_size = world_size // dp
+    pp_rank, dp_rank = rank % pp_size, rank // pp_size
+    # every rank creates every group, in the same order
+    pp_groups = [dist.new_group([d * pp_size + p for p in range(pp_size)]) for d in range(dp)]
+    dp_groups = [dist.new_group([d * pp_size + p for d in range(dp)]) for p in range(pp_size)]
+    pp_group, dp_group = pp_groups[dp_rank], dp_groups[pp_rank]
 
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        indices, num_stages = stage_layout(args.schedule, pp_rank, pp_size)
-        mods = [stage_module(i, num_stages, dtype).to(device) for i in indices]
-        stages = [PipelineStage(m, i, num_stages, device, group=pp_group)
-                  for m, i in zip(mods, indices)]
-        accumulate_weight_passes(stages)  # before the wrappers
-        sync = {"process_group": dp_group} if dp > 1 else {"independent_ranks": True}
-        opts = [accumkernels.AccumulatingOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3),
-                                                   accumulation_steps=N_MB, max_grad_norm=1.0,
-                                                   **sync)
-                for m in mods]
-        clip_across_stages(opts, group=pp_group)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    indices, num_stages = stage_layout(args.schedule, pp_rank, pp_size)
+    mods = [stage_module(i, num_stages, dtype).to(device) for i in indices]
+    stages = [PipelineStage(m, i, num_stages, device, group=pp_group)
+              for m, i in zip(mods, indices)]
+    accumulate_weight_passes(stages)  # before the wrappers
+    sync = {"process_group": dp_group} if dp > 1 else {"independent_ranks": True}
+    opts = [accumkernels.AccumulatingOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                               accumulation_steps=N_MB, max_grad_norm=1.0,
+                                               **sync)
+            for m in mods]
+    clip_across_stages(opts, group=pp_group)
 
-        def loss_fn(out, y):
-            return torch.nn.functional.mse_loss(out.float(), y)
+    def loss_fn(out, y):
+        return torch.nn.functional.mse_loss(out.float(), y)
 
-        cls = get_schedule_class(args.schedule)
-        schedule = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages,
-                       n_microbatches=N_MB, loss_fn=loss_fn)
-        data = torch.Generator().manual_seed(100 + dp_rank)  # each replica sees its own data
-        last_loss = torch.zeros(2, dtype=torch.float64)
-        for _ in range(args.steps):
-            x = torch.randn(N_MB * MICRO, 32, generator=data)
-            y = x[:, :1].sin()
-            losses: list[torch.Tensor] = []
-            schedule.step(x.to(device, dtype), target=y.to(device), losses=losses)
-            for opt in opts:
-                opt.step()  # the window is complete after the schedule step: a real step
-                opt.zero_grad()
-            if losses:  # the ranks holding the last stage
-                last_loss = torch.tensor([float(torch.stack(losses).detach().mean()), 1.0],
-                                         dtype=torch.float64)
-        dist.all_reduce(last_loss)  # the replicas' mean, for the print below
-        if dp > 1:  # the replicas of each stage hold the same weights
-            checksum = torch.stack([p.detach().double().sum() for m in mods
-                                    for p in m.parameters()]).sum().reshape(1).cpu()
-            gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(dp)]
-            dist.all_gather(gathered, checksum, group=dp_group)
-            assert all(torch.equal(g, gathered[0]) for g in gathered), "replicas diverged"
-        norm = float(opts[0].last_grad_norm)
-        dist.barrier()
-        if rank == 0:
-            print(f"final loss {last_loss[0] / last_loss[1]:.4f} ({args.schedule}, "
-                  f"{num_stages} stages x {dp} replicas, pipeline grad norm {norm:.4f})")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # gloo's threads can abort in C++ static destructors at a normal interpreter exit
-    # ("terminate called without an active exception"): this rank leaves without them
-    sys.stdout.flush()
-    os._exit(0)
+    cls = get_schedule_class(args.schedule)
+    schedule = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages,
+                   n_microbatches=N_MB, loss_fn=loss_fn)
+    data = torch.Generator().manual_seed(100 + dp_rank)  # each replica sees its own data
+    last_loss = torch.zeros(2, dtype=torch.float64)
+    for _ in range(args.steps):
+        x = torch.randn(N_MB * MICRO, 32, generator=data)
+        y = x[:, :1].sin()
+        losses: list[torch.Tensor] = []
+        schedule.step(x.to(device, dtype), target=y.to(device), losses=losses)
+        for opt in opts:
+            opt.step()  # the window is complete after the schedule step: a real step
+            opt.zero_grad()
+        if losses:  # the ranks holding the last stage
+            last_loss = torch.tensor([float(torch.stack(losses).detach().mean()), 1.0],
+                                     dtype=torch.float64)
+    dist.all_reduce(last_loss)  # the replicas' mean, for the print below
+    if dp > 1:  # the replicas of each stage hold the same weights
+        assert_replicas_agree((p for m in mods for p in m.parameters()), dp_group, "replicas")
+    norm = float(opts[0].last_grad_norm)
+    dist.barrier()
+    if rank == 0:
+        print(f"final loss {last_loss[0] / last_loss[1]:.4f} ({args.schedule}, "
+              f"{num_stages} stages x {dp} replicas, pipeline grad norm {norm:.4f})")
+    dist.barrier()
 
 
 def main() -> None:
@@ -152,14 +128,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args)
-        return
     if args.world_size % args.dp:
         parser.error("--world-size must be a multiple of --dp")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(train, args=(args.world_size, f"{tmp}/store", args), nprocs=args.world_size,
-                 join=True)
+    launch(train, args.world_size, args)
 
 
 if __name__ == "__main__":

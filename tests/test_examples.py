@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py")
+                  if not p.name.startswith("_"))  # _ranks.py: what the examples share
 OPTIONAL = {"transformers", "accelerate", "lightning", "triton"}
 TIMEOUT_S = 300
 FINAL_LINE = re.compile(r"^final loss ([^\s,;]+)")
