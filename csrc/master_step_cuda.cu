@@ -1,2 +1,145 @@
-// The fused master step's CUDA kernel (stub: filled in by the fused-master-step work).
-namespace accumkernels {}
+// CUDA launches of the fused master step (the kernel's body: master_step_kernel.h).
+//
+// One launch per weight dtype (bf16, fp16) for the whole list, apex-style multi-tensor: every
+// tensor is cut into kChunk-element chunks, a table holds each tensor's pointers, numel and first
+// chunk, and a persistent grid (SMs x kBlocksPerSM blocks) strides over the chunks, each finding
+// its tensor by binary search. The table is a __grid_constant__ kernel parameter up to
+// kMaxParamEntries tensors (CUDA-graph capturable); longer lists copy it to stream-ordered device
+// memory (or, while the stream is captured, launch per parameter table). found_inf, grad_scale, a
+// tensor lr and every tensor's step are read by the kernel: no host synchronisation.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "master_step_kernel.h"
+
+namespace accumkernels {
+namespace master_step {
+namespace {
+
+template <int kAlgo, class W, class Table>
+__global__ void __launch_bounds__(kThreads)
+    master_step_kernel(const __grid_constant__ Table table, const LaunchArgs args) {
+  step_thread<kAlgo, W>(table, args, blockIdx.x, threadIdx.x, gridDim.x);
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("accumkernels CUDA (master step): ") + what +
+                             " failed: " + cudaGetErrorString(err));
+}
+
+class DeviceGuard {  // `device` current for the scope (< 0: the current one, filled in)
+ public:
+  explicit DeviceGuard(int& device) {
+    check(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (device < 0) device = prev_;
+    if (prev_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+    else prev_ = -1;
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
+int sm_count(int device) {
+  constexpr int kCached = 64;
+  static std::atomic<int> cache[kCached] = {};
+  if (device >= 0 && device < kCached && cache[device].load(std::memory_order_relaxed) > 0)
+    return cache[device].load(std::memory_order_relaxed);
+  int n = 0;
+  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
+        "cudaDeviceGetAttribute(MultiProcessorCount)");
+  if (device >= 0 && device < kCached) cache[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();  // e.g. the legacy stream during a global capture: play safe
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+struct CudaLauncher {
+  cudaStream_t stream;
+  int device;
+
+  int64_t max_grid() const { return int64_t{sm_count(device)} * kBlocksPerSM; }
+  bool capturing() const { return stream_is_capturing(stream); }
+  template <int kAlgo, class W, class Table>
+  void run(const Table& table, const LaunchArgs& args, unsigned grid) {
+    master_step_kernel<kAlgo, W, Table><<<grid, kThreads, 0, stream>>>(table, args);
+    check(cudaGetLastError(), "master step kernel launch");
+  }
+  template <class F>
+  void with_table_copy(const Entry* entries, size_t n, F launch_with) {
+    const size_t bytes = n * sizeof(Entry);
+    void* mem = nullptr;
+    check(cudaMallocAsync(&mem, bytes, stream), "cudaMallocAsync(master step table)");
+    cudaError_t err = cudaMemcpyAsync(mem, entries, bytes, cudaMemcpyHostToDevice, stream);
+    if (err == cudaSuccess) {
+      try {
+        launch_with(static_cast<const Entry*>(mem));
+      } catch (...) {
+        cudaFreeAsync(mem, stream);
+        throw;
+      }
+    }
+    const cudaError_t free_err = cudaFreeAsync(mem, stream);
+    check(err, "cudaMemcpyAsync(master step table)");
+    check(free_err, "cudaFreeAsync(master step table)");
+  }
+};
+
+template <int kAlgo, class W>
+cudaError_t load_algo() {  // cudaFuncGetAttributes forces the lazy module load
+  cudaFuncAttributes attr{};
+  const cudaError_t loads[] = {
+      cudaFuncGetAttributes(&attr, master_step_kernel<kAlgo, W, ParamTable<64>>),
+      cudaFuncGetAttributes(&attr, master_step_kernel<kAlgo, W, ParamTable<kMaxParamEntries>>),
+      cudaFuncGetAttributes(&attr, master_step_kernel<kAlgo, W, DeviceTable>)};
+  for (const cudaError_t e : loads)
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
+}  // namespace
+}  // namespace master_step
+
+std::string master_step_cuda_load(int device) {
+  try {
+    master_step::DeviceGuard guard(device);
+    using master_step::load_algo;
+    const cudaError_t loads[] = {
+        load_algo<kStepSgd, bf16_t>(), load_algo<kStepAdamF64, bf16_t>(),
+        load_algo<kStepAdamF32, bf16_t>(), load_algo<kStepSgd, half_t>(),
+        load_algo<kStepAdamF64, half_t>(), load_algo<kStepAdamF32, half_t>()};
+    for (const cudaError_t e : loads) {
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return std::string("loading the master step kernels failed: ") + cudaGetErrorString(e);
+      }
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void master_step_cuda(const MasterStepCall& call, void* stream, int device) {
+  master_step::DeviceGuard guard(device);
+  master_step::CudaLauncher launcher{static_cast<cudaStream_t>(stream), device};
+  master_step::launch_call(call, launcher);
+}
+
+}  // namespace accumkernels

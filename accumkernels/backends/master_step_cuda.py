@@ -1,43 +1,178 @@
-"""Backend ``"cuda"`` of the fused master step (and the test-only ``"cuda_host"`` emulation).
+"""Backend ``"cuda"`` of the fused master step, and its test-only host emulation ``"cuda_host"``.
 
-The CUDA kernel (csrc/master_step_kernel.h, launched by csrc/master_step_cuda.cu) resyncs the fp32
-master from a user-written bf16/fp16 weight, unscales the gradient, applies torch's fused
-Adam/AdamW/SGD update bit for bit and writes the rounded weight back, in one pass over memory.
-``adam_host``/``sgd_host`` play the same kernel source block by block on CPU tensors.
+One pass per element over fp32 masters and their bf16/fp16 weights: the master takes a weight the
+user wrote, the gradient is unscaled, the master and its state get torch's fused Adam/AdamW/SGD
+update bit for bit, and the weight is written back rounded. The CUDA kernel
+(csrc/master_step_kernel.h) is one launch per weight dtype for the whole list; it reads
+``found_inf``, ``grad_scale``, a tensor ``lr`` and every tensor's step from device memory (no host
+sync). ``adam_host``/``sgd_host`` play the same kernel source block by block on CPU tensors
+(csrc/master_step_cuda_host.cpp): slow, for tests.
+
+Adam's arithmetic follows torch's own CUDA kernel, which changed between releases: double
+scalars up to torch 2.10, fp32 with explicit FMAs from 2.11 (csrc/master_step_kernel.h spells out
+both). ``ADAM_F32_SINCE`` is the first torch with the fp32 form: tests/op/test_master_step_gpu.py
+checks the installed torch against it on a GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
+from accumkernels.backends import native
 
-def is_available(device: torch.device) -> bool:
-    return False
+# The first torch release whose CUDA fused Adam(W) computes in fp32 with explicit fma (pytorch
+# PR 173224, merged for 2.11). Earlier releases compute with double scalars.
+ADAM_F32_SINCE = (2, 11)
+
+# device index -> why the kernels cannot run there (None: they can); asked once per device.
+_PROBLEMS: dict[int, str | None] = {}
+
+
+def _c():
+    return native._C
 
 
 def host_available() -> bool:
-    return False
+    return _c() is not None and hasattr(_c(), "master_step_cuda_host")
+
+
+def is_available(device: torch.device) -> bool:
+    c = _c()
+    if device.type != "cuda" or c is None or not hasattr(c, "master_step_cuda"):
+        return False
+    if not native.is_available(device):  # driver/runtime check of the extension (once)
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _PROBLEMS:
+        # Load the kernels now, not inside a CUDA-graph capture that a first call could be in.
+        if torch.cuda.is_current_stream_capturing():
+            return True
+        _PROBLEMS[index] = c.master_step_cuda_load(index) or None
+    return _PROBLEMS[index] is None
+
+
+def adam_arithmetic(version: str | None = None) -> str:
+    """Which form of torch's CUDA fused Adam to reproduce: ``"fp32"`` (torch >= 2.11) or
+    ``"fp64"`` (earlier); ``version`` defaults to the installed torch."""
+    parts = (version or torch.__version__).split("+")[0].split(".")
+    major_minor = tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts[:2])
+    return "fp32" if major_minor >= ADAM_F32_SINCE else "fp64"
+
+
+def _flag(name: str) -> int:
+    return _c().MASTER_STEP_FLAGS[name]
+
+
+def _lr(lr, device: torch.device) -> tuple[float, int]:
+    """(scalar lr, address of a tensor lr or 0). A tensor on another device than the lists (a CPU
+    lr for a CUDA step) is read as a number, as torch does."""
+    if isinstance(lr, torch.Tensor):
+        if lr.device == device:
+            return 1.0, lr.data_ptr()
+        return float(lr.item()), 0
+    return float(lr), 0
+
+
+def _ptrs(tensors) -> list[int]:
+    return [] if tensors is None else [t.data_ptr() for t in tensors]
+
+
+def _launch(host: bool, algo: int, flags: int, rows: list, masters, weights, scalars,
+            lr_ptr: int, grad_scale, found_inf) -> None:
+    c = _c()
+    numels = [m.numel() for m in masters]
+    codes = [native.DTYPE_CODES[w.dtype] for w in weights]
+    head = (algo, flags, rows, numels, codes, scalars, lr_ptr,
+            0 if grad_scale is None else grad_scale.data_ptr(),
+            0 if found_inf is None else found_inf.data_ptr())
+    if host:
+        c.master_step_cuda_host(*head)
+        return
+    device = masters[0].device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    c.master_step_cuda(*head, stream, device.index if device.index is not None
+                       else torch.cuda.current_device())
+
+
+def _adam(host, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+          *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
+          found_inf, write_grad, arithmetic):
+    c = _c()
+    arith = arithmetic or adam_arithmetic()
+    if arith not in ("fp32", "fp64"):
+        raise ValueError(f"arithmetic must be 'fp32', 'fp64' or None, not {arithmetic!r}")
+    algo = c.MASTER_STEP_ADAM_F32 if arith == "fp32" else c.MASTER_STEP_ADAM_F64
+    flags = ((_flag("amsgrad") if amsgrad else 0) | (_flag("maximize") if maximize else 0)
+             | (_flag("adamw") if adamw else 0) | (_flag("write_grad") if write_grad else 0))
+    lr_value, lr_ptr = _lr(lr, masters[0].device)
+    rows = [_ptrs(masters), _ptrs(weights), _ptrs(grads), _ptrs(exp_avgs), _ptrs(exp_avg_sqs),
+            _ptrs(max_exp_avg_sqs) if amsgrad else [], _ptrs(state_steps)]
+    scalars = [lr_value, float(beta1), float(beta2), float(weight_decay), float(eps), 0.0, 0.0]
+    _launch(host, algo, flags, rows, masters, weights, scalars, lr_ptr, grad_scale, found_inf)
+
+
+def _sgd(host, masters, weights, grads, momentum_buffers, *, lr, momentum, dampening,
+         weight_decay, nesterov, maximize, is_first_step, grad_scale, found_inf, write_grad):
+    c = _c()
+    has_buf = momentum_buffers is not None
+    flags = ((_flag("momentum") if has_buf else 0) | (_flag("maximize") if maximize else 0)
+             | (_flag("nesterov") if nesterov else 0)
+             | (_flag("first_step") if is_first_step else 0)
+             | (_flag("write_grad") if write_grad else 0))
+    lr_value, lr_ptr = _lr(lr, masters[0].device)
+    rows = [_ptrs(masters), _ptrs(weights), _ptrs(grads), _ptrs(momentum_buffers), [], [], []]
+    scalars = [lr_value, 0.0, 0.0, float(weight_decay), 0.0, float(momentum), float(dampening)]
+    _launch(host, c.MASTER_STEP_SGD, flags, rows, masters, weights, scalars, lr_ptr, grad_scale,
+            found_inf)
 
 
 def adam(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
          lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw,
-         grad_scale, found_inf, write_grad) -> None:
-    raise NotImplementedError("the fused master step's CUDA kernel is not written yet")
+         grad_scale, found_inf, write_grad, arithmetic: str | None = None) -> None:
+    """Fused master Adam/AdamW step on CUDA tensors (already-checked lists, one device).
+    ``arithmetic``: the torch kernel form to reproduce (None: the installed torch's)."""
+    _adam(False, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+          lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+          maximize=maximize, adamw=adamw, grad_scale=grad_scale, found_inf=found_inf,
+          write_grad=write_grad, arithmetic=arithmetic)
 
 
 def sgd(masters, weights, grads, momentum_buffers, *,
         lr, momentum, dampening, weight_decay, nesterov, maximize, is_first_step,
         grad_scale, found_inf, write_grad) -> None:
-    raise NotImplementedError("the fused master step's CUDA kernel is not written yet")
+    """Fused master SGD step on CUDA tensors (already-checked lists, one device)."""
+    _sgd(False, masters, weights, grads, momentum_buffers, lr=lr, momentum=momentum,
+         dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+         is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf,
+         write_grad=write_grad)
 
 
 def adam_host(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
               lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw,
-              grad_scale, found_inf, write_grad) -> None:
-    raise NotImplementedError("the fused master step's host emulation is not written yet")
+              grad_scale, found_inf, write_grad, arithmetic: str | None = None) -> None:
+    """``adam``'s CUDA kernel played on the CPU, on CPU tensors (tests)."""
+    _adam(True, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+          lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+          maximize=maximize, adamw=adamw, grad_scale=grad_scale, found_inf=found_inf,
+          write_grad=write_grad, arithmetic=arithmetic)
 
 
 def sgd_host(masters, weights, grads, momentum_buffers, *,
              lr, momentum, dampening, weight_decay, nesterov, maximize, is_first_step,
              grad_scale, found_inf, write_grad) -> None:
-    raise NotImplementedError("the fused master step's host emulation is not written yet")
+    """``sgd``'s CUDA kernel played on the CPU, on CPU tensors (tests)."""
+    _sgd(True, masters, weights, grads, momentum_buffers, lr=lr, momentum=momentum,
+         dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+         is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf,
+         write_grad=write_grad)
+
+
+def configure_host(sm_count: int = 132, capturing: bool = False) -> None:
+    """The emulated device of ``*_host``: its SM count (grid = 4 blocks per SM, at most one per
+    chunk) and whether its stream counts as captured (long lists then launch in groups)."""
+    _c().master_step_cuda_host_configure(sm_count, capturing)
+
+
+def host_launches() -> list[str]:
+    """The last ``*_host`` call's launches: weight dtype, table kind, grid, chunks, tensors."""
+    return _c().master_step_cuda_host_launches()
