@@ -104,8 +104,9 @@ def torch_adam(ms, ws, gs, ea, eas, mx, steps, *, lr, betas, weight_decay, eps, 
     opt.grad_scale, opt.found_inf = grad_scale, found_inf
     opt.step()
     wout = [w.clone() for w in ws]
-    for w, p in zip(wout, params):
-        w.copy_(p.detach())
+    if not skip:  # the copy-back is part of the step
+        for w, p in zip(wout, params):
+            w.copy_(p.detach())
     return {"m": [p.detach() for p in params], "w": wout, "g": [p.grad for p in params],
             "ea": [opt.state[p]["exp_avg"] for p in params],
             "eas": [opt.state[p]["exp_avg_sq"] for p in params],
