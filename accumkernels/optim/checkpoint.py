@@ -5,24 +5,34 @@ inside what every checkpoint tool already carries (format 4):
 
 * ``state[i]``: the inner optimizer's state of param ``i`` (keyed like the model's params, so
   ``torch.distributed.checkpoint`` maps it to the parameter names, flattens, reshards and
-  offloads it), plus ``"accumkernels_master"`` (the fp32 master of a bf16/fp16 param, once the
-  inner optimizer has state for it: before that the master is the model weight) and, while a
-  window is open, ``"accumkernels_window"`` (the param's fp32 window, or its FSDP2 shard);
+  offloads it; before the inner optimizer's first step the state an lr=0 step would create),
+  plus ``"accumkernels_master"`` (the fp32 master of a bf16/fp16 param) and
+  ``"accumkernels_window"`` (the param's fp32 window, or its FSDP2 shard; zeros between
+  windows): every key always there, so the state dict of a fresh wrapper is a template that a
+  tool loading into it (``dcp.load``) fills completely;
 * ``param_groups[g]["accumkernels"]``: the bookkeeping (format version, param shapes, window
   counts and weights, loss-scale state, non-finite counters) as one JSON string, the same in
   every group (one opaque leaf, so a tool that loads into a template matches its keys).
 
-Carried through ``torch.save`` (weights_only), ``get_state_dict``/``set_state_dict`` with the
-default and ``full_state_dict`` options, and ``dcp.save``/``dcp.load`` into a fresh wrapper's
-state dict. Not yet: ``flatten_optimizer_state_dict=True`` (DCP rebuilds each param's state and
-group from the keys the loading optimizer already has, which drops the wrapper's).
+The live optimizer shows the same keys (``opt.state[p]``, ``opt.param_groups``:
+live_state.py), so a tool that rebuilds the loaded state dict from the keys the loading optimizer
+has finds them all. Carried, mid-window included, bit-identical to not stopping (tests in
+tests/optim/test_checkpoint_dcp.py and tests/distributed/): ``torch.save`` (weights_only);
+``get_state_dict``/``set_state_dict`` with the default options, ``full_state_dict``,
+``cpu_offload``, ``flatten_optimizer_state_dict`` and their combinations; ``dcp.save``/
+``dcp.load`` into a fresh wrapper's state dict (flattened or not; under FSDP2 resharded to
+another world size). One combination is torch's own limit: ``set_state_dict`` with
+``flatten_optimizer_state_dict`` and ``full_state_dict`` together raises KeyError in torch 2.13
+for every optimizer, native ones too; load such a checkpoint with ``flatten`` alone.
 
 A native optimizer's state dict loads too (masters from the model, an empty window), and the
 wrapper's loads into a native optimizer (the extra keys are ignored by torch's optimizers once
-they have state). A state dict that carries the wrapper's tensors without its bookkeeping, or an
-open window without its tensors (a tool that strips what it does not know, or a template built
-without the window) is refused with a ValueError naming what is lost, never taken as an empty
-window.
+they have state; DCP's flattening drops them). A native optimizer's *flattened* DCP state dict
+lacks the group key the wrapper shows, and DCP's unflattening raises KeyError naming it: load it
+into the inner optimizer before wrapping it (or save it unflattened). A state dict that carries
+the wrapper's tensors without its bookkeeping, or an open window without its tensors (a tool that
+strips what it does not know, or a template built without the window) is refused with a
+ValueError naming what is lost, never taken as an empty window.
 
 ``restore`` first parses every piece (raising ``ValueError`` on anything that does not fit this
 wrapper), then loads the inner optimizer with a rollback, and only then writes the rooms: a
@@ -34,7 +44,10 @@ Under data parallelism a window is each rank's own until it is reduced across th
 sync backward, ``process_group``'s step). A state dict taken before that records the rank and
 world size that saved it, warns, and loads only there: every rank saving and loading its own
 resumes exactly, while rank 0's loaded on another rank (frameworks that save rank 0's only) is
-refused, not silently substituted for that rank's window.
+refused, not silently substituted for that rank's window. With ``process_group`` and N given,
+the window's last backward sums its buckets across the ranks: a state dict taken after it names
+those buckets (``window["summed"]``), and the resumed wrapper does not sum them again; only a
+wrapper reducing over the same ranks loads it.
 """
 
 from __future__ import annotations
@@ -47,12 +60,11 @@ from itertools import chain
 import torch
 import torch.distributed as dist
 
+from accumkernels.optim import live_state as live
+from accumkernels.optim.live_state import LIVE, MASTER_KEY, OWN_KEY, WINDOW_KEY
 from accumkernels.optim.window import Window
 
-VERSION = 4
-OWN_KEY = "accumkernels"  # per group (format 4); the top-level key of format 3
-MASTER_KEY = "accumkernels_master"
-WINDOW_KEY = "accumkernels_window"
+VERSION = 4  # OWN_KEY: per group (format 4); the top-level key of format 3
 
 
 def _index(parts) -> dict[int, int]:
@@ -95,6 +107,9 @@ def assemble(parts, intake, agree=None) -> dict:
         if local is not None:  # only this rank's part of the window: only this rank may load it
             own["window"]["rank"], own["window"]["world"] = local
             warnings.warn(_RANK_LOCAL_SAVED.format(*local), stacklevel=3)
+        summed = parts.sync.summed_buckets()
+        if summed:  # process_group: buckets the last backward summed across the ranks
+            own["window"]["summed"] = summed
     if agree is not None:
         agree(own)
     packed = json.dumps(own)  # one opaque leaf: tools that flatten nested containers into
@@ -104,14 +119,17 @@ def assemble(parts, intake, agree=None) -> dict:
 
 
 @torch.no_grad()
-def _template_state(parts) -> dict:
+def _template_state(parts, meta: bool = False) -> dict:
     """The state an inner optimizer without any gets from an lr=0 step on zero gradients (what
     ``get_state_dict`` creates for a fresh native optimizer), taken on a copy over copies of
-    the params: the live optimizer, params and masters are untouched."""
+    the params: the live optimizer, params and masters are untouched. ``meta``: over ``meta``
+    copies with the plain (single-tensor) implementation, for its keys and shapes only; an
+    optimizer whose step needs values then raises."""
     inner = parts.optimizer
     step = getattr(type(inner).step, "__wrapped__", type(inner).step)
     with parts.masters.swapped():  # over the fp32 masters: the template state is fp32 too
-        clones = {id(p): torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        clones = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta") if meta
+                                            else p.detach().clone(), requires_grad=p.requires_grad)
                   for g in inner.param_groups for p in g["params"]}
         groups = [{**g, "params": [clones[id(p)] for p in g["params"]]}
                   for g in inner.param_groups]
@@ -121,14 +139,18 @@ def _template_state(parts) -> dict:
     protocol_registries = [k for k in copy.__dict__ if k.startswith("_optimizer_")]
     for k in protocol_registries:
         copy.__dict__[k] = type(copy.__dict__[k])()
-    copy.param_groups = [{**g, **({"lr": torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"])
-                                   else 0.0} if "lr" in g else {})} for g in groups]
+    plain = {k: False for k in ("foreach", "fused", "capturable") if meta and k in inner.defaults}
+    copy.param_groups = [{**g, **plain, **({"lr": torch.zeros_like(g["lr"])
+                                            if torch.is_tensor(g["lr"]) else 0.0}
+                                           if "lr" in g else {})} for g in groups]
     copy.state = defaultdict(dict)
     for c in clones.values():
         c.grad = torch.zeros_like(c) if c.requires_grad else None
     try:
         step(copy)
     except Exception:  # noqa: BLE001 - an optimizer that needs a closure: no template state
+        if meta:
+            raise
         return {}
     return copy.state_dict()["state"]
 
@@ -191,7 +213,7 @@ def _own_of(sd: dict):
     groups = sd.get("param_groups")
     if isinstance(groups, list):
         for g in groups:
-            if isinstance(g, dict) and OWN_KEY in g:
+            if isinstance(g, dict) and g.get(OWN_KEY, LIVE) != LIVE:
                 own = g[OWN_KEY]
                 try:
                     return json.loads(own) if isinstance(own, (str, bytes)) else own
@@ -202,8 +224,11 @@ def _own_of(sd: dict):
 
 
 def _strip(sd: dict) -> dict:
-    """The inner optimizer's part of a format-4 state dict (the wrapper's keys removed)."""
-    state = {k: {n: v for n, v in entry.items() if n not in (MASTER_KEY, WINDOW_KEY)}
+    """The inner optimizer's part of a format-4 state dict (the wrapper's keys removed, and the
+    empty dicts ``torch.distributed.checkpoint``'s unflattening makes of the keys a loading
+    optimizer shows but the checkpoint lacks)."""
+    state = {k: {n: v for n, v in entry.items() if n not in (MASTER_KEY, WINDOW_KEY)
+                 and not (isinstance(v, dict) and not v)}
              if isinstance(entry, dict) else entry for k, entry in sd["state"].items()}
     state = {k: v for k, v in state.items() if not isinstance(v, dict) or v}
     groups = [{k: v for k, v in g.items() if k != OWN_KEY} for g in sd["param_groups"]]
@@ -225,7 +250,11 @@ def _from_v4(parts, sd: dict, own: object) -> dict:
         raise ValueError(f"load_state_dict: checkpoint format version {version!r} is not "
                          f"supported (this accumkernels writes version {VERSION})")
     index, state = _saved_keys(parts, sd), sd["state"]
-    entry = lambda p: state.get(index.get(id(p)), {})  # noqa: E731
+
+    def entry(p) -> dict:  # (an empty dict: what DCP's unflattening makes of a missing key)
+        saved = state.get(index.get(id(p)), {})
+        return {k: v for k, v in saved.items() if not (isinstance(v, dict) and not v)} \
+            if isinstance(saved, dict) else {}
     inner = _strip(sd)
     if own.get("inner_state") is False:  # saved before the inner optimizer had any state
         inner = {**inner, "state": {}}
@@ -290,6 +319,7 @@ def _parse(parts, sd: object) -> dict:
     window = old["window"]
     if isinstance(window, dict):
         _check_rank(parts, window)
+        parts.sync.check_summed(list(window.get("summed", [])))
     views = old.get("window_views")
     return {
         "inner": old["optimizer"],
@@ -298,6 +328,7 @@ def _parse(parts, sd: object) -> dict:
         else _parse_buffers(parts, old["main_grad"]),
         "views": None if views is None else _parse_views(parts, views),
         "window": None if window is None else Window.parse(window, parts.params),
+        "summed": list(window.get("summed", [])) if isinstance(window, dict) else [],
         "nonfinite": parts.nonfinite.parse(old),
         "scaler": parts.scaler.parse(old["loss_scale"]),
     }
@@ -365,6 +396,7 @@ def restore(parts, intake, step, sd: dict) -> None:
                                        parsed["buffers"]):
                     flat.copy_(saved)
             parts.window.load(parsed["window"])
+            parts.sync.take_summed(parsed["summed"])
         elif parsed.get("views") is not None:  # a boundary: the views as saved (not held)
             _copy_views(parts, parsed["views"])
         parts.nonfinite.load(parsed["nonfinite"])
@@ -386,8 +418,13 @@ def native_copy(parts) -> torch.optim.Optimizer:
     copy = object.__new__(type(inner))
     copy.__dict__.update({k: v for k, v in inner.__dict__.items()
                           if not k.startswith("_accumkernels")})
-    copy.param_groups = [dict(g) for g in inner.param_groups]
+    copy.param_groups = [{k: v for k, v in g.items() if k != OWN_KEY}
+                         for g in inner.param_groups]
     state = type(inner.state)(dict) if isinstance(inner.state, defaultdict) else {}
     state.update(inner.state)
     copy.state = state
     return copy
+
+
+live_state, set_state, groups_with_own_key = (live.live_state, live.set_state,
+                                              live.groups_with_own_key)

@@ -52,6 +52,8 @@ def init_inner_state(optimizer: torch.optim.Optimizer) -> None:
 
 OWN_KEY = checkpoint.OWN_KEY
 native_copy = checkpoint.native_copy
+live_state, set_state, groups_with_own_key = (checkpoint.live_state, checkpoint.set_state,
+                                              checkpoint.groups_with_own_key)
 
 
 def assemble(parts, intake) -> dict:

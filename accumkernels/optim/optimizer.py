@@ -164,10 +164,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return parts.sync
 
     # -- sharing the inner optimizer ----------------------------------------------------------
-    param_groups = property(lambda self: self.optimizer.param_groups,
+    # what state/param_groups show: the inner optimizer's, with the keys a checkpoint of the
+    # wrapper holds (a tool that loads by the live keys finds them: optim/live_state.py)
+    param_groups = property(lambda self: self._layout.checkpoint.groups_with_own_key(
+                                self.optimizer) if "_intake" in self.__dict__
+                            else self.optimizer.param_groups,
                             lambda self, v: setattr(self.optimizer, "param_groups", v))
-    state = property(lambda self: self.optimizer.state,
-                     lambda self, v: setattr(self.optimizer, "state", v))
+    state = property(lambda self: self._layout.checkpoint.live_state(self._parts, self._intake)
+                     if self.__dict__.get("_intake") is not None else self.optimizer.state,
+                     lambda self, v: self._layout.checkpoint.set_state(self._parts, self._intake,
+                                                                       v))
     defaults = property(lambda self: self.optimizer.defaults,
                         lambda self, v: setattr(self.optimizer, "defaults", v))
 

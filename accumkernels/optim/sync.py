@@ -136,6 +136,34 @@ class LocalSync:
     def rebind(self, window, params: list[torch.Tensor]) -> None:
         """The window's storage was rebuilt for ``params`` (``add_param_group``)."""
 
+    def summed_buckets(self) -> list[int]:
+        """Buckets of the window already summed across the ranks (a checkpoint records them:
+        resumed, they must not be summed again). None here."""
+        return []
+
+    def check_summed(self, indices: list) -> None:
+        """A checkpoint's window holds buckets summed across ``process_group``'s ranks: only a
+        wrapper that reduces over those ranks can resume it (ValueError)."""
+        if indices:
+            raise ValueError(_SUMMED_ELSEWHERE)
+
+    def take_summed(self, indices: list[int]) -> None:
+        pass
+
+
+_SUMMED_ELSEWHERE = (
+    "load_state_dict: this checkpoint was taken after the window's last backward under "
+    "process_group, when its gradients were already summed across the ranks; only a wrapper "
+    "with the same process_group (same ranks) can resume it. Load it there, or save at a "
+    "window boundary (after step())")
+
+
+class _Summed:
+    """A bucket's sum across the ranks, done before the checkpoint it was restored from."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
 
 class GroupSync(LocalSync):
     """``process_group=``: the wrapper all-reduces the window once per step."""
@@ -229,6 +257,28 @@ class GroupSync(LocalSync):
         self._totals, self._stale = None, False
         self.reducer.reset()
         self.left_round()
+
+    def summed_buckets(self) -> list[int]:
+        """The buckets whose sums the last backward started (complete once it returned), or
+        every bucket once ``finish`` reduced the window."""
+        if self._totals is not None:
+            return list(range(len(self.window.storage.buckets)))
+        self.reducer.settle()
+        return sorted(self.reducer._works)
+
+    def check_summed(self, indices: list) -> None:
+        buckets = len(self.window.storage.buckets)
+        if any(not isinstance(i, int) or not 0 <= i < buckets for i in indices):
+            raise ValueError("load_state_dict: the summed buckets do not match this optimizer's "
+                             "buckets (another bucket_size_mb or model?)")
+
+    def take_summed(self, indices: list[int]) -> None:
+        """Restored buckets that were already summed: ``finish`` (and a backward past N) treats
+        them as sums it started itself (``reset`` forgets them)."""
+        self._totals, self._stale = None, False
+        self.reducer.reset()
+        for i in indices:
+            self.reducer._works[i] = _Summed()
 
     def rebind(self, window, params: list[torch.Tensor]) -> None:
         timeout = self.reducer.timeout_s

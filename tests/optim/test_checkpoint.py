@@ -137,9 +137,18 @@ def test_distributed_checkpoint_state_dict(config: Config) -> None:
                 "get_optimizer_state_dict")
     assert all("accumkernels" in g for g in osd["param_groups"]), "the bookkeeping was dropped"
     a, b = fresh(config, n_model, "native"), fresh(config, model, "wrapper")
+    if opt._needs_closure:
+        # DCP creates a fresh native optimizer's state with an lr=0 step without a closure,
+        # which LBFGS refuses; the wrapper shows its state's keys already (live_state.py), so
+        # DCP loads it without that step. The native one loads by its own load_state_dict.
+        with pytest.raises(TypeError):
+            set_optimizer_state_dict(*a, copy.deepcopy(get_optimizer_state_dict(n_model, native)))
+        a[1].load_state_dict(copy.deepcopy(native.state_dict()))
+        set_optimizer_state_dict(*b, copy.deepcopy(osd))
+        continue_alike(config, a, b)
     # (a fresh optimizer has no state: DCP creates it with an lr=0 step on zero gradients)
-    if same_outcome(lambda: set_optimizer_state_dict(*a, copy.deepcopy(osd)),
-                    lambda: set_optimizer_state_dict(*b, copy.deepcopy(osd))):
+    elif same_outcome(lambda: set_optimizer_state_dict(*a, copy.deepcopy(osd)),
+                      lambda: set_optimizer_state_dict(*b, copy.deepcopy(osd))):
         continue_alike(config, a, b)
 
 

@@ -1,0 +1,293 @@
+"""What ``opt.state`` and ``opt.param_groups`` show: the inner optimizer's, with the wrapper's keys.
+
+``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` with
+``flatten_optimizer_state_dict=True`` rebuilds the state dict it loads from the keys the *loading*
+optimizer shows: each param's ``opt.state[p]`` and each group of ``opt.param_groups``. A key the
+live optimizer does not show is dropped. So the live optimizer shows every key a checkpoint of
+this wrapper holds (the module docstring of checkpoint.py lists them):
+
+* each managed param's entry of ``opt.state`` is a :class:`ParamState`: the inner optimizer's
+  entry, plus ``"accumkernels_master"`` (the fp32 master of a bf16/fp16 param) and
+  ``"accumkernels_window"`` (its fp32 window, ``p.main_grad``), live views of the wrapper's
+  tensors. A param the inner optimizer holds no state for yet (before its first step) shows
+  the keys that state will have: zeros of its shapes, as an lr=0 step on zero gradients creates
+  them (what DCP does to a fresh native optimizer), found once on ``meta`` copies;
+* every group holds ``"accumkernels"`` (:data:`LIVE` between ``state_dict()`` calls, which write
+  the bookkeeping there).
+
+The inner optimizer never sees the extra state keys (its ``state`` is its own); its groups do
+hold the group key, which it ignores. Writing an entry's key writes the inner optimizer's state
+(as natively), an extra key copies into the wrapper's tensor (a tool moving the state to a
+device writes the same values back), and writing a shown-but-not-yet-created key its own value
+again changes nothing (a key with another value is created, as natively).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, MutableMapping
+from itertools import chain
+
+import torch
+
+OWN_KEY = "accumkernels"
+MASTER_KEY = "accumkernels_master"
+WINDOW_KEY = "accumkernels_window"
+EXTRA_KEYS = (MASTER_KEY, WINDOW_KEY)
+LIVE = ""  # the group key's value outside state_dict(): "no bookkeeping here"
+
+
+def groups_with_own_key(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The inner optimizer's ``param_groups`` (the same list), each holding :data:`OWN_KEY`."""
+    groups = optimizer.param_groups
+    for group in groups:
+        if OWN_KEY not in group:
+            group[OWN_KEY] = LIVE
+    return groups
+
+
+class _Index:
+    """Per intake (the params and their windows): param positions and the template keys."""
+
+    def __init__(self, parts, intake):
+        self.managed = {id(p): i for i, p in enumerate(intake.params)}
+        inner = chain.from_iterable(g["params"] for g in parts.optimizer.param_groups)
+        self.position = {id(p): i for i, p in enumerate(inner)}
+        self.template: dict | None = None
+
+
+_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _index(parts, intake) -> _Index:
+    index = _INDEX.get(intake)
+    if index is None or len(index.position) != sum(len(g["params"])
+                                                   for g in parts.optimizer.param_groups):
+        index = _INDEX[intake] = _Index(parts, intake)
+    return index
+
+
+def live_state(parts, intake) -> LiveState:
+    """``opt.state`` of the wrapper built from ``parts`` and ``intake``."""
+    return LiveState(parts, intake, _index(parts, intake))
+
+
+def set_state(parts, intake, value: Mapping) -> None:
+    """``opt.state = value``: the inner optimizer's state, without the wrapper's keys."""
+    if isinstance(value, LiveState) and value._inner is parts.optimizer.state:
+        return
+    state = defaultdict(dict)
+    for key, entry in value.items():
+        if isinstance(entry, ParamState):
+            entry = entry.inner_part()
+        elif isinstance(entry, Mapping):
+            entry = {k: v for k, v in entry.items() if k not in EXTRA_KEYS}
+        state[key] = entry
+    parts.optimizer.state = state
+
+
+class LiveState(MutableMapping):
+    """The inner optimizer's ``state`` with each managed param's entry a :class:`ParamState`."""
+
+    def __init__(self, parts, intake, index: _Index):
+        self._parts, self._intake, self._idx = parts, intake, index
+        self._inner = parts.optimizer.state
+
+    def _managed(self, key) -> int | None:
+        return self._idx.managed.get(id(key)) if isinstance(key, torch.Tensor) else None
+
+    def __getitem__(self, key):
+        i = self._managed(key)
+        if i is None:
+            return self._inner[key]  # (a defaultdict, as natively)
+        return ParamState(self, self._intake.params[i], i)
+
+    def __setitem__(self, key, value) -> None:
+        i = self._managed(key)
+        if i is None:
+            self._inner[key] = value
+            return
+        entry = ParamState(self, self._intake.params[i], i)
+        for k in entry._extras:
+            if k in value:
+                entry[k] = value[k]
+        own = {k: v for k, v in value.items() if k not in EXTRA_KEYS}
+        if entry._entry is None and own.keys() == entry._template.keys() and all(
+                _same(entry._template[k], v, key) for k, v in own.items()):
+            return  # the shown entry written back (a tool moving the state to a device)
+        self._inner[key] = own
+
+    def __delitem__(self, key) -> None:
+        if self._managed(key) is not None:
+            self._inner.pop(key, None)  # the extra keys stay: they are the wrapper's tensors
+            return
+        del self._inner[key]
+
+    def __iter__(self) -> Iterator:
+        yield from self._intake.params
+        managed = self._idx.managed
+        yield from (k for k in list(self._inner)
+                    if not (isinstance(k, torch.Tensor) and id(k) in managed))
+
+    def __len__(self) -> int:
+        managed = self._idx.managed
+        return len(managed) + sum(1 for k in self._inner
+                                  if not (isinstance(k, torch.Tensor) and id(k) in managed))
+
+    def __bool__(self) -> bool:
+        return bool(self._idx.managed) or bool(self._inner)
+
+    def __contains__(self, key) -> bool:
+        return self._managed(key) is not None or key in self._inner
+
+    def get(self, key, default=None):
+        if self._managed(key) is not None:
+            return self[key]
+        return self._inner.get(key, default)  # (never creates an entry)
+
+    def pop(self, key, *default):
+        if self._managed(key) is None:
+            return self._inner.pop(key, *default)
+        value = dict(self[key])
+        del self[key]
+        return value
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+    # -- what the entries need --------------------------------------------------------------------
+    def extras(self, p: torch.Tensor, i: int) -> dict[str, torch.Tensor]:
+        out = {}
+        master = self._parts.masters.get(p)
+        if master is not None:
+            out[MASTER_KEY] = master.detach()
+        out[WINDOW_KEY] = self._intake.views[i].detach()
+        return out
+
+    def template(self, p: torch.Tensor) -> dict:
+        """The keys (and zero values, as descriptors) the inner state of ``p`` will have."""
+        idx = self._idx
+        if idx.template is None:
+            idx.template = _template_keys(self._parts)
+        return idx.template.get(idx.position.get(id(p)), {})
+
+
+class ParamState(MutableMapping):
+    """One managed param's ``opt.state[p]``: the inner optimizer's entry (or the keys it will
+    have, before it has one) and the wrapper's master and window."""
+
+    def __init__(self, live: LiveState, p: torch.Tensor, i: int):
+        self._live, self._p = live, p
+        self._extras = live.extras(p, i)
+        entry = live._inner.get(p)
+        self._entry = entry if entry else None
+        self._template = live.template(p) if self._entry is None else {}
+
+    def inner_part(self) -> dict:
+        """The inner optimizer's own entry (nothing shown on its behalf)."""
+        return dict(self._entry) if self._entry is not None else {}
+
+    def _keys(self) -> list:
+        own = list(self._entry) if self._entry is not None else list(self._template)
+        return own + [k for k in self._extras if k not in own]
+
+    def __getitem__(self, key):
+        if key in self._extras:
+            return self._extras[key]
+        if self._entry is not None:
+            return self._entry[key]
+        if key in self._template:
+            return _materialise(self._template[key], self._p)
+        raise KeyError(key)
+
+    def __setitem__(self, key, value) -> None:
+        if key in self._extras:
+            _write_extra(key, self._extras[key], value)
+            return
+        if self._entry is None:
+            if key in self._template and _same(self._template[key], value, self._p):
+                return  # its own shown value written back (a tool moving the state)
+            self._entry = self._live._inner[self._p]
+            self._template = {}
+        self._entry[key] = value
+
+    def __delitem__(self, key) -> None:
+        if key in self._extras:
+            raise KeyError(f"{key!r} is the AccumulatingOptimizer's own tensor; it cannot be "
+                           "deleted (reset_window() empties the window)")
+        if self._entry is None:
+            if key in self._template:
+                return
+            raise KeyError(key)
+        del self._entry[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def __contains__(self, key) -> bool:
+        return key in self._extras or (key in self._entry if self._entry is not None
+                                       else key in self._template)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+
+class _Zeros:
+    """A template value too large to keep: zeros of this shape and dtype on the param's device."""
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.dtype = t.shape, t.dtype
+
+
+def _materialise(value, p: torch.Tensor):
+    if isinstance(value, _Zeros):
+        return torch.zeros(value.shape, dtype=value.dtype, device=p.device)
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _same(shown, value, p: torch.Tensor) -> bool:
+    if isinstance(shown, _Zeros):
+        return isinstance(value, torch.Tensor) and value.shape == shown.shape \
+            and value.dtype == shown.dtype and not value.any().item()
+    if isinstance(shown, torch.Tensor):
+        return isinstance(value, torch.Tensor) and value.shape == shown.shape \
+            and torch.equal(value.to(shown.device), shown)
+    return shown == value
+
+
+@torch.no_grad()
+def _write_extra(key: str, live: torch.Tensor, value) -> None:
+    """Writing the wrapper's master or window: a copy into it (the same values, when a tool
+    moves the state to a device and back), never a rebinding."""
+    if not isinstance(value, torch.Tensor) or value.shape != live.shape:
+        raise ValueError(f"opt.state[p][{key!r}] is the AccumulatingOptimizer's own tensor of "
+                         f"shape {tuple(live.shape)}; it takes a tensor of that shape (load a "
+                         "checkpoint with opt.load_state_dict())")
+    local = live.to_local() if hasattr(live, "to_local") else live
+    src = value.to_local() if hasattr(value, "to_local") else value
+    if src.data_ptr() == local.data_ptr() and src.stride() == local.stride():
+        return
+    local.copy_(src)
+
+
+def _template_keys(parts) -> dict:
+    """position -> {key: value} of the state an lr=0 step on zero gradients creates, from
+    ``meta`` copies (no memory); values are descriptors (:class:`_Zeros`) or small tensors."""
+    from accumkernels.optim.checkpoint import _template_state
+
+    try:
+        state = _template_state(parts, meta=True)
+    except Exception:  # noqa: BLE001 - an optimizer whose step needs real values
+        state = _template_state(parts)
+    return {i: {k: (_Zeros(v) if isinstance(v, torch.Tensor) and (v.is_meta or v.numel() > 1)
+                    else v) for k, v in entry.items()}
+            for i, entry in state.items()}
