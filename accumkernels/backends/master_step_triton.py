@@ -11,8 +11,9 @@ grad_scale, a tensor lr and every step are read by the kernel: no host synchroni
 Bit-exact arithmetic in Triton: launches pass ``enable_fp_fusion=False`` (no contraction of a*b+c
 behind our back), FMAs are explicit ``tl.fma``, fp32 divisions and square roots ``tl.div_rn`` /
 ``tl.sqrt_rn`` (plain fp32 ``/`` and ``tl.sqrt`` are approximate on NVIDIA GPUs; the fp64 ones
-are IEEE: div.rn.f64, sqrt.rn.f64), pow is libdevice's (the function torch's kernel calls). Weights move as int16 bits and are rounded in integer
-arithmetic for bf16 (NaN -> 0x7fff, as cvt.rn).
+are IEEE: div.rn.f64, sqrt.rn.f64), pow is libdevice's (the function torch's kernel calls).
+Weights move as int16 bits and are rounded in integer arithmetic for bf16 (NaN -> 0x7fff, as
+cvt.rn).
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors, tests) Triton cannot call libdevice: pow is then
 exponentiation by squaring in float64 for an integer step, and NaN payloads follow numpy, not the

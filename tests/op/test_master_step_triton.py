@@ -31,7 +31,8 @@ if mst.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-interpreter_only = pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only on CPU-only hosts")
+interpreter_only = pytest.mark.skipif(HAS_CUDA,
+                                      reason="the interpreter runs only on CPU-only hosts")
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 
