@@ -21,7 +21,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from _fsdp2_workers import Net, make_inner
 from _spawn import run_scenario, spawn_ranks
 
