@@ -1,11 +1,12 @@
 """FSDP2 checkpoints through ``torch.distributed.checkpoint``.
 
-The wrapper's state dict is the core's (format 3: the inner optimizer's ``state`` and
-``param_groups``, the wrapper's own parts under ``"accumkernels"``) with three FSDP2 changes:
+The wrapper's state dict is the core's (format 4, checkpoint.py: the inner optimizer's ``state``
+and ``param_groups``, each param's window and the bookkeeping inside them) with three FSDP2
+changes:
 
-* the window is always present and its fp32 data is one DTensor per param (the window shard,
-  same mesh and placements as the param), so DCP saves each rank's shard and, loading into a
-  wrapper of another world size, reshards it like the params and the inner optimizer's state;
+* each param's window is its DTensor shard (same mesh and placements as the param), so DCP
+  saves each rank's shard and, loading into a wrapper of another world size, reshards it like
+  the params and the inner optimizer's state;
 * the bookkeeping that differs between ranks is saved in its agreed form (found_inf: the OR
   of every rank's; ``add_weight`` total: every rank's share of the world total), so the
   replicated copy DCP keeps is right for every rank of any world size;
@@ -13,11 +14,13 @@ The wrapper's state dict is the core's (format 3: the inner optimizer's ``state`
   gradients, as DCP's ``get_optimizer_state_dict`` does for native optimizers), so
   ``opt.state_dict()`` of a fresh wrapper is a complete template for ``dcp.load``.
 
-Recipe: ``dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, ...)``; to resume,
-build the model and wrapper, ``sd = {"model": model.state_dict(), "optim": opt.state_dict()}``,
-``dcp.load(sd, ...)``, ``model.load_state_dict(sd["model"])``, ``opt.load_state_dict(sd["optim"])``.
-DCP's ``get_optimizer_state_dict`` keeps only ``state`` and ``param_groups``: use it between
-windows, or the recipe above to resume mid-window.
+Recipes, mid-window included: torchtitan's (``get_state_dict(model, opt, options=...)``, any
+options, ``flatten_optimizer_state_dict=True`` included; ``dcp.save``; to resume, build the model
+and wrapper, ``get_state_dict`` again as the template, ``dcp.load`` into it, ``set_state_dict``),
+or ``dcp.save({"model": model.state_dict(), "optim": opt.state_dict()})`` and, to resume,
+``dcp.load`` into ``{"model": model.state_dict(), "optim": opt.state_dict()}`` of the new ones,
+then ``model.load_state_dict`` and ``opt.load_state_dict``. Both reshard to another world size
+(tests/distributed/test_fsdp2.py, test_fsdp2_checkpoint.py).
 """
 
 from __future__ import annotations

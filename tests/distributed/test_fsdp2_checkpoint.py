@@ -139,6 +139,10 @@ def on_two_ranks(ckpts: dict) -> dict:
     import torch.distributed.checkpoint as dcp
 
     out = {}
+    model, opt = fresh(True)  # what DCP's unflattening reads before the first step
+    out["fresh_keys"] = sorted(opt.state[model.l1.weight])
+    out["fresh_inner_empty"] = not opt.optimizer.state
+    opt.remove_hooks()
     for wrap in (True, False):
         model, opt = fresh(wrap)
         out["straight" if wrap else "native_straight"] = finish(model, opt, 0)
@@ -210,6 +214,15 @@ def four(tmp_path_factory, ckpts, two):
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def test_a_fresh_wrapper_shows_its_state_keys_under_fsdp2(two):
+    for rank, res in enumerate(two):
+        for compute in COMPUTE:
+            r = res[compute]
+            assert r["fresh_keys"] == ["accumkernels_window", "exp_avg", "exp_avg_sq", "step"], \
+                (rank, r["fresh_keys"])
+            assert r["fresh_inner_empty"], f"rank {rank}: reading the keys created inner state"
 
 
 @pytest.mark.parametrize("compute", sorted(COMPUTE))
