@@ -169,5 +169,23 @@ class WindowReducer:
             self.wait(work, "gradient")
             self.buffer.buckets[index].flat.div_(self.world)
 
+    def summed_buckets(self) -> list[int]:
+        """The buckets whose sums were started (waited for: complete on return)."""
+        self.settle()
+        return sorted(self._works)
+
+    def mark_summed(self, indices: list[int]) -> None:
+        """Buckets summed before a checkpoint this window was restored from: ``finish`` (and a
+        backward past N) treat them as sums started here."""
+        for i in indices:
+            self._works[i] = _Summed()
+
     def reset(self) -> None:
         self._works = {}
+
+
+class _Summed:
+    """A bucket's sum across the ranks, done before the checkpoint it was restored from."""
+
+    def wait(self, timeout=None) -> bool:
+        return True

@@ -90,7 +90,7 @@ def assemble(parts, intake, agree=None) -> dict:
         "masters": bool(parts.masters.model_params),
     }
     if not sd["state"]:
-        sd["state"] = _template_state(parts)
+        sd["state"] = live.template_state(parts)
     state, index = sd["state"], _index(parts)
     own["found_inf"] = float(own["found_inf"].item())
     extra = {id(p): {MASTER_KEY: m.detach()} for p, m in zip(parts.masters.model_params,
@@ -116,43 +116,6 @@ def assemble(parts, intake, agree=None) -> dict:
     for group in sd["param_groups"]:  # keys (DCP) then match a template's whatever it holds
         group[OWN_KEY] = packed
     return sd
-
-
-@torch.no_grad()
-def _template_state(parts, meta: bool = False) -> dict:
-    """The state an inner optimizer without any gets from an lr=0 step on zero gradients (what
-    ``get_state_dict`` creates for a fresh native optimizer), taken on a copy over copies of
-    the params: the live optimizer, params and masters are untouched. ``meta``: over ``meta``
-    copies with the plain (single-tensor) implementation, for its keys and shapes only; an
-    optimizer whose step needs values then raises."""
-    inner = parts.optimizer
-    step = getattr(type(inner).step, "__wrapped__", type(inner).step)
-    with parts.masters.swapped():  # over the fp32 masters: the template state is fp32 too
-        clones = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta") if meta
-                                            else p.detach().clone(), requires_grad=p.requires_grad)
-                  for g in inner.param_groups for p in g["params"]}
-        groups = [{**g, "params": [clones[id(p)] for p in g["params"]]}
-                  for g in inner.param_groups]
-    copy = object.__new__(type(inner))
-    copy.__dict__.update({k: v for k, v in inner.__dict__.items()
-                          if not k.startswith("_accumkernels")})
-    protocol_registries = [k for k in copy.__dict__ if k.startswith("_optimizer_")]
-    for k in protocol_registries:
-        copy.__dict__[k] = type(copy.__dict__[k])()
-    plain = {k: False for k in ("foreach", "fused", "capturable") if meta and k in inner.defaults}
-    copy.param_groups = [{**g, **plain, **({"lr": torch.zeros_like(g["lr"])
-                                            if torch.is_tensor(g["lr"]) else 0.0}
-                                           if "lr" in g else {})} for g in groups]
-    copy.state = defaultdict(dict)
-    for c in clones.values():
-        c.grad = torch.zeros_like(c) if c.requires_grad else None
-    try:
-        step(copy)
-    except Exception:  # noqa: BLE001 - an optimizer that needs a closure: no template state
-        if meta:
-            raise
-        return {}
-    return copy.state_dict()["state"]
 
 
 _RANK_LOCAL_SAVED = (

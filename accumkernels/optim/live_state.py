@@ -75,7 +75,7 @@ def live_state(parts, intake) -> LiveState:
 
 def set_state(parts, intake, value: Mapping) -> None:
     """``opt.state = value``: the inner optimizer's state, without the wrapper's keys."""
-    if isinstance(value, LiveState) and value._inner is parts.optimizer.state:
+    if isinstance(value, LiveState) and value.inner is parts.optimizer.state:
         return
     state = defaultdict(dict)
     for key, entry in value.items():
@@ -92,7 +92,7 @@ class LiveState(MutableMapping):
 
     def __init__(self, parts, intake, index: _Index):
         self._parts, self._intake, self._idx = parts, intake, index
-        self._inner = parts.optimizer.state
+        self.inner = parts.optimizer.state
 
     def _managed(self, key) -> int | None:
         return self._idx.managed.get(id(key)) if isinstance(key, torch.Tensor) else None
@@ -100,55 +100,55 @@ class LiveState(MutableMapping):
     def __getitem__(self, key):
         i = self._managed(key)
         if i is None:
-            return self._inner[key]  # (a defaultdict, as natively)
+            return self.inner[key]  # (a defaultdict, as natively)
         return ParamState(self, self._intake.params[i], i)
 
     def __setitem__(self, key, value) -> None:
         i = self._managed(key)
         if i is None:
-            self._inner[key] = value
+            self.inner[key] = value
             return
         entry = ParamState(self, self._intake.params[i], i)
-        for k in entry._extras:
+        for k in entry.extras:
             if k in value:
                 entry[k] = value[k]
         own = {k: v for k, v in value.items() if k not in EXTRA_KEYS}
-        if entry._entry is None and own.keys() == entry._template.keys() and all(
-                _same(entry._template[k], v, key) for k, v in own.items()):
+        if entry.entry is None and own.keys() == entry.template.keys() and all(
+                _same(entry.template[k], v, key) for k, v in own.items()):
             return  # the shown entry written back (a tool moving the state to a device)
-        self._inner[key] = own
+        self.inner[key] = own
 
     def __delitem__(self, key) -> None:
         if self._managed(key) is not None:
-            self._inner.pop(key, None)  # the extra keys stay: they are the wrapper's tensors
+            self.inner.pop(key, None)  # the extra keys stay: they are the wrapper's tensors
             return
-        del self._inner[key]
+        del self.inner[key]
 
     def __iter__(self) -> Iterator:
         yield from self._intake.params
         managed = self._idx.managed
-        yield from (k for k in list(self._inner)
+        yield from (k for k in list(self.inner)
                     if not (isinstance(k, torch.Tensor) and id(k) in managed))
 
     def __len__(self) -> int:
         managed = self._idx.managed
-        return len(managed) + sum(1 for k in self._inner
+        return len(managed) + sum(1 for k in self.inner
                                   if not (isinstance(k, torch.Tensor) and id(k) in managed))
 
     def __bool__(self) -> bool:
-        return bool(self._idx.managed) or bool(self._inner)
+        return bool(self._idx.managed) or bool(self.inner)
 
     def __contains__(self, key) -> bool:
-        return self._managed(key) is not None or key in self._inner
+        return self._managed(key) is not None or key in self.inner
 
     def get(self, key, default=None):
         if self._managed(key) is not None:
             return self[key]
-        return self._inner.get(key, default)  # (never creates an entry)
+        return self.inner.get(key, default)  # (never creates an entry)
 
     def pop(self, key, *default):
         if self._managed(key) is None:
-            return self._inner.pop(key, *default)
+            return self.inner.pop(key, *default)
         value = dict(self[key])
         del self[key]
         return value
@@ -184,48 +184,48 @@ class ParamState(MutableMapping):
 
     def __init__(self, live: LiveState, p: torch.Tensor, i: int):
         self._live, self._p = live, p
-        self._extras = live.extras(p, i)
-        entry = live._inner.get(p)
-        self._entry = entry if entry else None
-        self._template = live.template(p) if self._entry is None else {}
+        self.extras = live.extras(p, i)
+        entry = live.inner.get(p)
+        self.entry = entry if entry else None
+        self.template = live.template(p) if self.entry is None else {}
 
     def inner_part(self) -> dict:
         """The inner optimizer's own entry (nothing shown on its behalf)."""
-        return dict(self._entry) if self._entry is not None else {}
+        return dict(self.entry) if self.entry is not None else {}
 
     def _keys(self) -> list:
-        own = list(self._entry) if self._entry is not None else list(self._template)
-        return own + [k for k in self._extras if k not in own]
+        own = list(self.entry) if self.entry is not None else list(self.template)
+        return own + [k for k in self.extras if k not in own]
 
     def __getitem__(self, key):
-        if key in self._extras:
-            return self._extras[key]
-        if self._entry is not None:
-            return self._entry[key]
-        if key in self._template:
-            return _materialise(self._template[key], self._p)
+        if key in self.extras:
+            return self.extras[key]
+        if self.entry is not None:
+            return self.entry[key]
+        if key in self.template:
+            return _materialise(self.template[key], self._p)
         raise KeyError(key)
 
     def __setitem__(self, key, value) -> None:
-        if key in self._extras:
-            _write_extra(key, self._extras[key], value)
+        if key in self.extras:
+            _write_extra(key, self.extras[key], value)
             return
-        if self._entry is None:
-            if key in self._template and _same(self._template[key], value, self._p):
+        if self.entry is None:
+            if key in self.template and _same(self.template[key], value, self._p):
                 return  # its own shown value written back (a tool moving the state)
-            self._entry = self._live._inner[self._p]
-            self._template = {}
-        self._entry[key] = value
+            self.entry = self._live.inner[self._p]
+            self.template = {}
+        self.entry[key] = value
 
     def __delitem__(self, key) -> None:
-        if key in self._extras:
+        if key in self.extras:
             raise KeyError(f"{key!r} is the AccumulatingOptimizer's own tensor; it cannot be "
                            "deleted (reset_window() empties the window)")
-        if self._entry is None:
-            if key in self._template:
+        if self.entry is None:
+            if key in self.template:
                 return
             raise KeyError(key)
-        del self._entry[key]
+        del self.entry[key]
 
     def __iter__(self) -> Iterator:
         return iter(self._keys())
@@ -234,8 +234,8 @@ class ParamState(MutableMapping):
         return len(self._keys())
 
     def __contains__(self, key) -> bool:
-        return key in self._extras or (key in self._entry if self._entry is not None
-                                       else key in self._template)
+        return key in self.extras or (key in self.entry if self.entry is not None
+                                       else key in self.template)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({dict(self.items())!r})"
@@ -282,12 +282,47 @@ def _write_extra(key: str, live: torch.Tensor, value) -> None:
 def _template_keys(parts) -> dict:
     """position -> {key: value} of the state an lr=0 step on zero gradients creates, from
     ``meta`` copies (no memory); values are descriptors (:class:`_Zeros`) or small tensors."""
-    from accumkernels.optim.checkpoint import _template_state
-
     try:
-        state = _template_state(parts, meta=True)
+        state = template_state(parts, meta=True)
     except Exception:  # noqa: BLE001 - an optimizer whose step needs real values
-        state = _template_state(parts)
+        state = template_state(parts)
     return {i: {k: (_Zeros(v) if isinstance(v, torch.Tensor) and (v.is_meta or v.numel() > 1)
                     else v) for k, v in entry.items()}
             for i, entry in state.items()}
+
+
+@torch.no_grad()
+def template_state(parts, meta: bool = False) -> dict:
+    """The state an inner optimizer without any gets from an lr=0 step on zero gradients (what
+    ``get_state_dict`` creates for a fresh native optimizer), taken on a copy over copies of
+    the params: the live optimizer, params and masters are untouched. ``meta``: over ``meta``
+    copies with the plain (single-tensor) implementation, for its keys and shapes only; an
+    optimizer whose step needs values then raises."""
+    inner = parts.optimizer
+    step = getattr(type(inner).step, "__wrapped__", type(inner).step)
+    with parts.masters.swapped():  # over the fp32 masters: the template state is fp32 too
+        clones = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta") if meta
+                                            else p.detach().clone(), requires_grad=p.requires_grad)
+                  for g in inner.param_groups for p in g["params"]}
+        groups = [{**g, "params": [clones[id(p)] for p in g["params"]]}
+                  for g in inner.param_groups]
+    copy = object.__new__(type(inner))
+    copy.__dict__.update({k: v for k, v in inner.__dict__.items()
+                          if not k.startswith("_accumkernels")})
+    protocol_registries = [k for k in copy.__dict__ if k.startswith("_optimizer_")]
+    for k in protocol_registries:
+        copy.__dict__[k] = type(copy.__dict__[k])()
+    plain = {k: False for k in ("foreach", "fused", "capturable") if meta and k in inner.defaults}
+    copy.param_groups = [{**g, **plain, **({"lr": torch.zeros_like(g["lr"])
+                                            if torch.is_tensor(g["lr"]) else 0.0}
+                                           if "lr" in g else {})} for g in groups]
+    copy.state = defaultdict(dict)
+    for c in clones.values():
+        c.grad = torch.zeros_like(c) if c.requires_grad else None
+    try:
+        step(copy)
+    except Exception:  # noqa: BLE001 - an optimizer that needs a closure: no template state
+        if meta:
+            raise
+        return {}
+    return copy.state_dict()["state"]

@@ -327,19 +327,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         GradScaler skipped its ``step()``), or any window with ``accumulation_steps=None``, is
         discarded, as native PyTorch drops those gradients.
         """
-        self._intake.take_in()
-        window = self._parts.window
-        keep = window.keeps_on_clear()
-        if not keep and not window.empty:
-            self._step.reset_window()
-        if set_to_none:
-            self._intake.hide_all()
-        elif not keep:  # native: zero grads stay, and the step still acts on those params
-            intake = self._intake
-            window.zero_held(intake.params, intake.views,
-                             [p.grad is v for p, v in zip(intake.params, intake.views)])
-        if not keep:  # outside the window: cleared the native way, on the window's rule
-            self._parts.outside.clear(set_to_none)
+        self._step.clear(set_to_none)
 
     # -- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -103,6 +103,22 @@ class Step:
         if not self.window.empty and self.window.micro_steps == 0:
             self.microbatch_ended(True)
 
+    def clear(self, set_to_none: bool) -> None:
+        """``zero_grad()``: a window still filling (N given) is kept; a complete one, or any
+        with N None, is dropped, as native PyTorch drops those gradients."""
+        intake, window = self.intake, self.window
+        intake.take_in()
+        keep = window.keeps_on_clear()
+        if not keep and not window.empty:
+            self.reset_window()
+        if set_to_none:
+            intake.hide_all()
+        elif not keep:  # native: zero grads stay, and the step still acts on those params
+            window.zero_held(intake.params, intake.views,
+                             [p.grad is v for p, v in zip(intake.params, intake.views)])
+        if not keep:  # outside the window: cleared the native way, on the window's rule
+            self.outside.clear(set_to_none)
+
     # -- the phases ------------------------------------------------------------------------------
     def run(self) -> None:
         totals = self.gather()

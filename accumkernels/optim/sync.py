@@ -158,13 +158,6 @@ _SUMMED_ELSEWHERE = (
     "window boundary (after step())")
 
 
-class _Summed:
-    """A bucket's sum across the ranks, done before the checkpoint it was restored from."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-
 class GroupSync(LocalSync):
     """``process_group=``: the wrapper all-reduces the window once per step."""
 
@@ -263,8 +256,7 @@ class GroupSync(LocalSync):
         every bucket once ``finish`` reduced the window."""
         if self._totals is not None:
             return list(range(len(self.window.storage.buckets)))
-        self.reducer.settle()
-        return sorted(self.reducer._works)
+        return self.reducer.summed_buckets()
 
     def check_summed(self, indices: list) -> None:
         buckets = len(self.window.storage.buckets)
@@ -277,8 +269,7 @@ class GroupSync(LocalSync):
         them as sums it started itself (``reset`` forgets them)."""
         self._totals, self._stale = None, False
         self.reducer.reset()
-        for i in indices:
-            self.reducer._works[i] = _Summed()
+        self.reducer.mark_summed(indices)
 
     def rebind(self, window, params: list[torch.Tensor]) -> None:
         timeout = self.reducer.timeout_s
