@@ -159,7 +159,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from accumkernels.backends import master_step_triton as mst
-fn, out = mst._master_step_kernel, {}
+from accumkernels.backends.master_step_triton_kernels import master_step_kernel
+fn, out = master_step_kernel, {}
 for algo in (0, 1, 2):
     sig = {"table_ptr": "*i64", "n_tensors": "i32", "m_base": "*fp32", "w_base": "*i16",
            "g_base": "*fp32", "s0_base": "*fp32", "s1_base": "*fp32", "s2_base": "*fp32",
