@@ -3,6 +3,7 @@
 from accumkernels.batch_size import MicroBatchSearch, find_micro_batch_size
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model, validate_batch_sizes
+from accumkernels.master_step import master_adam_step_, master_sgd_step_
 from accumkernels.ops import accumulate_, available_backends
 from accumkernels.optim import AccumulatingOptimizer
 from accumkernels.optim.ddp import ddp_comm_hook
@@ -18,6 +19,8 @@ __all__ = [
     "ddp_comm_hook",
     "find_micro_batch_size",
     "fuse_wgrad_accumulation",
+    "master_adam_step_",
+    "master_sgd_step_",
     "validate_batch_sizes",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,600 @@
+"""The fused master step: ``master_adam_step_`` and ``master_sgd_step_``.
+
+A bf16/fp16 model trained with fp32 master weights usually steps in three passes: a re-sync that
+takes in the weights the user wrote, torch's fused optimizer on the masters, and a copy-back of
+the rounded masters into the weights. These ops do all of it in one pass per element. For each
+tensor i and element, unless ``found_inf`` is given and nonzero (then nothing is written):
+
+1. ``masters[i]`` takes ``weights[i]`` where ``weights[i] != masters[i].to(weights[i].dtype)``
+   (NaN differs): a weight written outside the optimizer is taken in exactly;
+2. ``g = grads[i] / grad_scale`` in fp32 (stored back into ``grads[i]`` with ``write_grad``, as
+   torch's fused kernels do);
+3. the master and its state get the update of ``torch.optim.AdamW/Adam/SGD(fused=True)`` on an
+   fp32 param, bit for bit as torch's fused kernel on that device computes it;
+4. ``weights[i] = masters[i]`` rounded to nearest even (torch's cast, bit for bit).
+
+Adam's ``state_steps`` (fp32 scalar tensors) are incremented before the update and, with
+``found_inf``, decremented by it afterwards, as torch's ``_fused_adam`` does.
+
+Backends, per device: ``"cpu"`` (csrc/master_step_cpu.cpp, AVX2 with a portable fallback,
+threaded), ``"cuda"`` (csrc/master_step_kernel.h, one launch per weight dtype), ``"triton"``,
+``"torch"`` (backends/master_step_ref.py, the readable definition); ``"auto"`` picks the first
+available of cpu/cuda, triton, torch. Tensors that are not contiguous take ``"torch"``. Every
+argument is checked first (TypeError/ValueError naming the offending index; nothing written).
+Under torch.compile, FakeTensorMode and functorch the call goes through the custom ops
+``torch.ops.accumkernels.master_adam_step_`` / ``master_sgd_step_``, whose schemas declare what
+they write.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from accumkernels._util import LOW_PRECISION
+from accumkernels.backends import master_step_ref, native
+
+try:  # the other device backends are optional: without them their routes are unavailable
+    from accumkernels.backends import master_step_cuda
+except ImportError:  # pragma: no cover
+    master_step_cuda = None
+try:
+    from accumkernels.backends import master_step_triton
+except ImportError:  # pragma: no cover
+    master_step_triton = None
+
+__all__ = ["master_adam_step_", "master_sgd_step_"]
+
+BACKENDS = ("cpu", "cuda", "triton", "torch")
+_KNOWN = ("auto", *BACKENDS, "cuda_host")  # cuda_host: the CUDA kernel played on the CPU (tests)
+_F32 = torch.float32
+
+
+def master_adam_step_(
+    masters: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None,
+    state_steps: Sequence[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    adamw: bool = True,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    write_grad: bool = True,
+    backend: str = "auto",
+) -> None:
+    """One fused AdamW (``adamw=True``: decoupled weight decay) or Adam step of fp32 masters and
+    their bf16/fp16 weights, bit for bit ``torch.optim.AdamW/Adam(fused=True)`` on the masters
+    followed by ``weights[i].copy_(masters[i])``, after taking in user-written weights.
+
+    ``masters``, ``grads``, ``exp_avgs``, ``exp_avg_sqs`` (and ``max_exp_avg_sqs``, required with
+    ``amsgrad``, else None): fp32; ``weights``: bf16/fp16 (mixed allowed) of the masters' shapes;
+    ``state_steps``: fp32 one-element tensors, incremented (and decremented by ``found_inf``, as
+    torch does). ``lr``: a number or a one-element tensor. ``grad_scale``/``found_inf``: None or
+    one-element fp32 tensors: the gradients are divided by ``grad_scale`` (stored back with
+    ``write_grad``); a nonzero ``found_inf`` writes nothing. The step reads the window, the
+    master, the state and the weight and writes master, state and weight once (32 B per element
+    for AdamW with bf16 weights, vs 28 B for torch's fused step on fp32 params alone).
+    """
+    op = "master_adam_step_"
+    lists = _adam_lists(op, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                        state_steps, amsgrad)
+    lr_value, lr_tensor = _check_lr(op, lr)
+    for name, value, low, high in (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0),
+                                   ("weight_decay", weight_decay, 0.0, math.inf),
+                                   ("eps", eps, 0.0, math.inf)):
+        _check_real(op, name, value, low, high)
+    for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("adamw", adamw),
+                        ("write_grad", write_grad)):
+        _check_bool(op, name, value)
+    _check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend)
+    if not lists[0]:
+        return
+    args = (*lists, float(lr_value), lr_tensor, float(beta1), float(beta2), float(weight_decay),
+            float(eps), amsgrad, maximize, adamw, grad_scale, found_inf, write_grad, backend)
+    if _tracing():
+        torch.ops.accumkernels.master_adam_step_(*args)
+    else:
+        _adam_impl(*args)
+
+
+def master_sgd_step_(
+    masters: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor] | None,
+    *,
+    lr: float | torch.Tensor,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool = False,
+    maximize: bool = False,
+    is_first_step: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    write_grad: bool = True,
+    backend: str = "auto",
+) -> None:
+    """One fused SGD step of fp32 masters and their bf16/fp16 weights, bit for bit
+    ``torch.optim.SGD(fused=True)`` on the masters followed by ``weights[i].copy_(masters[i])``,
+    after taking in user-written weights.
+
+    ``momentum_buffers``: fp32 tensors, required when ``momentum != 0`` (else None); with
+    ``is_first_step`` they are overwritten with the gradient (their content is not read), as in
+    torch's first fused SGD step. ``lr``, ``grad_scale``, ``found_inf``, ``write_grad`` as in
+    :func:`master_adam_step_`.
+    """
+    op = "master_sgd_step_"
+    _check_real(op, "momentum", momentum, 0.0, math.inf)
+    lists = _sgd_lists(op, masters, weights, grads, momentum_buffers, momentum != 0)
+    lr_value, lr_tensor = _check_lr(op, lr)
+    _check_real(op, "dampening", dampening, -math.inf, math.inf)
+    _check_real(op, "weight_decay", weight_decay, 0.0, math.inf)
+    for name, value in (("nesterov", nesterov), ("maximize", maximize),
+                        ("is_first_step", is_first_step), ("write_grad", write_grad)):
+        _check_bool(op, name, value)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(f"{op}: nesterov requires a momentum and zero dampening (got momentum="
+                         f"{momentum}, dampening={dampening}), as torch.optim.SGD")
+    _check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend)
+    if not lists[0]:
+        return
+    args = (*lists, float(lr_value), lr_tensor, float(momentum), float(dampening),
+            float(weight_decay), nesterov, maximize, is_first_step, grad_scale, found_inf,
+            write_grad, backend)
+    if _tracing():
+        torch.ops.accumkernels.master_sgd_step_(*args)
+    else:
+        _sgd_impl(*args)
+
+
+# -- custom ops (torch.compile, FakeTensorMode, functorch) ----------------------------------------
+
+_ADAM_WRITES = ("masters", "weights", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+                "state_steps")
+
+
+@torch.library.custom_op("accumkernels::master_adam_step_", mutates_args=_ADAM_WRITES)
+def _adam_op(masters: list[torch.Tensor], weights: list[torch.Tensor],
+             grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+             exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor],
+             state_steps: list[torch.Tensor], lr: float, lr_tensor: torch.Tensor | None,
+             beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool,
+             maximize: bool, adamw: bool, grad_scale: torch.Tensor | None,
+             found_inf: torch.Tensor | None, write_grad: bool, backend: str) -> None:
+    _adam_impl(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr,
+               lr_tensor, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
+               found_inf, write_grad, backend)
+
+
+@_adam_op.register_fake
+def _adam_fake(*args) -> None:
+    return None  # checked by the public function; it returns nothing and allocates nothing
+
+
+@torch.library.custom_op("accumkernels::master_sgd_step_",
+                         mutates_args=("masters", "weights", "grads", "momentum_buffers"))
+def _sgd_op(masters: list[torch.Tensor], weights: list[torch.Tensor], grads: list[torch.Tensor],
+            momentum_buffers: list[torch.Tensor], lr: float, lr_tensor: torch.Tensor | None,
+            momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+            maximize: bool, is_first_step: bool, grad_scale: torch.Tensor | None,
+            found_inf: torch.Tensor | None, write_grad: bool, backend: str) -> None:
+    _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum, dampening,
+              weight_decay, nesterov, maximize, is_first_step, grad_scale, found_inf, write_grad,
+              backend)
+
+
+@_sgd_op.register_fake
+def _sgd_fake(*args) -> None:
+    return None
+
+
+def _tracing() -> bool:
+    return bool(torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._are_functorch_transforms_active())
+
+
+# -- the step on real tensors ----------------------------------------------------------------------
+
+_ADAM_LISTS = ("masters", "weights", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+               "state_steps")
+_SGD_LISTS = ("masters", "weights", "grads", "momentum_buffers")
+
+
+@torch.no_grad()
+def _adam_impl(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr,
+               lr_tensor, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
+               found_inf, write_grad, backend) -> None:
+    op = "master_adam_step_"
+    lists = (masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+    state = (exp_avgs, exp_avg_sqs) + ((max_exp_avg_sqs,) if amsgrad else ())
+    plan = _plan(backend, masters, weights, grads, state)
+    if len(plan) > 1:  # several devices or backends: check the whole call before any part runs
+        _check_no_overlap(op, dict(zip(_ADAM_LISTS, lists)))
+    for device, name, part in plan:
+        gs, fi = _on(grad_scale, device), _on(found_inf, device)
+        sub = [[t[i] for i in part] for t in lists[:5]]
+        mx = [max_exp_avg_sqs[i] for i in part] if amsgrad else None
+        steps = [state_steps[i] for i in part]
+        kw = dict(lr=_lr_for(lr, lr_tensor), beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                  eps=eps, amsgrad=amsgrad, maximize=maximize, adamw=adamw, grad_scale=gs,
+                  found_inf=fi, write_grad=write_grad)
+        if name == "cpu":  # the native kernel also counts the steps (torch's _fused_adam does)
+            _raise_overlap(op, _ADAM_LISTS, part, _cpu_adam(*sub, mx, steps, **kw))
+            _bump(sub, (mx or []) + steps, gs is not None and write_grad)
+            continue
+        if len(plan) == 1:
+            _check_no_overlap(op, dict(zip(_ADAM_LISTS, lists)))
+        torch._foreach_add_(steps, 1)  # torch's _fused_adam: the kernel reads the new steps
+        _backend_fn(name, "adam")(*sub, mx, steps, **kw)
+        if fi is not None:
+            torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
+
+
+@torch.no_grad()
+def _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum, dampening,
+              weight_decay, nesterov, maximize, is_first_step, grad_scale, found_inf, write_grad,
+              backend) -> None:
+    op = "master_sgd_step_"
+    has_buf = momentum != 0
+    lists = (masters, weights, grads, momentum_buffers)
+    plan = _plan(backend, masters, weights, grads, (momentum_buffers,) if has_buf else ())
+    if len(plan) > 1 or plan[0][1] != "cpu":
+        _check_no_overlap(op, dict(zip(_SGD_LISTS, lists)))
+    for device, name, part in plan:
+        gs, fi = _on(grad_scale, device), _on(found_inf, device)
+        sub = [[t[i] for i in part] for t in lists[:3]]
+        bufs = [momentum_buffers[i] for i in part] if has_buf else None
+        kw = dict(lr=_lr_for(lr, lr_tensor), momentum=momentum, dampening=dampening,
+                  weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                  is_first_step=is_first_step, grad_scale=gs, found_inf=fi,
+                  write_grad=write_grad)
+        if name == "cpu":
+            _raise_overlap(op, _SGD_LISTS, part, _cpu_sgd(*sub, bufs, **kw))
+            _bump(sub, bufs, gs is not None and write_grad)
+        else:
+            _backend_fn(name, "sgd")(*sub, bufs, **kw)
+
+
+def _plan(backend, masters, weights, grads, state) -> list[tuple[torch.device, str, list[int]]]:
+    """(device, backend, indices) parts of a call: per device, the plain tensors for the resolved
+    backend and the others (a non-contiguous tensor, a weight with the neg bit) for the torch
+    reference."""
+    first = masters[0].device
+    if all(m.device == first for m in masters):
+        groups = {first: range(len(masters))}
+    else:
+        groups = {}
+        for i, m in enumerate(masters):
+            groups.setdefault(m.device, []).append(i)
+    plan = []
+    for device, idx in groups.items():
+        name = _resolve(backend, device)
+        if name == "torch":
+            plan.append((device, name, list(idx)))
+            continue
+        plain, rest = [], []
+        for i in idx:
+            ok = masters[i].is_contiguous() and weights[i].is_contiguous() \
+                and not weights[i].is_neg() and grads[i].is_contiguous() \
+                and all(s[i].is_contiguous() for s in state)
+            (plain if ok else rest).append(i)
+        plan += [(device, n, p) for n, p in ((name, plain), ("torch", rest)) if p]
+    return plan
+
+
+def _raise_overlap(op: str, names: tuple, part: list, hit) -> None:
+    """The native kernels report two arrays that share memory (and wrote nothing)."""
+    if hit is not None:
+        a, i, b, j = hit
+        raise ValueError(f"{op}: {names[a]}[{part[i]}] and {names[b]}[{part[j]}] share memory; "
+                         "every tensor of the step must have its own")
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """A scalar tensor on ``device`` (torch's fused optimizers copy grad_scale/found_inf too)."""
+    return t if t is None or t.device == device else t.to(device)
+
+
+def _lr_for(lr: float, lr_tensor: torch.Tensor | None) -> float | torch.Tensor:
+    return lr if lr_tensor is None else lr_tensor
+
+
+_RESOLVED: dict[tuple[str, torch.device], str] = {}
+
+
+def _resolve(backend: str, device: torch.device, op: str = "master step") -> str:
+    """The backend that runs on ``device``: ``"auto"`` resolved, an explicit name checked."""
+    key = (backend, device)
+    if key not in _RESOLVED:
+        if backend == "auto":
+            order = ("cpu",) if device.type == "cpu" else ("cuda", "triton")
+            _RESOLVED[key] = next((b for b in order if _available(b, device)), "torch")
+        elif _available(backend, device):
+            _RESOLVED[key] = backend
+        else:
+            raise ValueError(f"{op}: backend {backend!r} is not available on device {device}; "
+                             f"available there: {available_backends(device)}")
+    return _RESOLVED[key]
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """The fused master step's backends usable on ``device``, fastest first."""
+    device = torch.device(device)
+    return [b for b in BACKENDS if _available(b, device)]
+
+
+def _available(name: str, device: torch.device) -> bool:
+    if name == "torch":
+        return True
+    if name == "cpu":
+        return device.type == "cpu" and hasattr(native._C, "master_adam_step_cpu")
+    if name in ("cuda", "cuda_host"):
+        if master_step_cuda is None:
+            return False
+        if name == "cuda_host":
+            return device.type == "cpu" and master_step_cuda.host_available()
+        return device.type == "cuda" and master_step_cuda.is_available(device)
+    return name == "triton" and master_step_triton is not None \
+        and master_step_triton.is_available(device)
+
+
+def _backend_fn(name: str, algo: str):
+    if name == "torch":
+        return getattr(master_step_ref, algo)
+    if name == "triton":
+        return getattr(master_step_triton, algo)
+    return getattr(master_step_cuda, algo + ("_host" if name == "cuda_host" else ""))
+
+
+def _bump(sub, extra, grads_written: bool) -> None:
+    """Version counters of what the native kernel wrote around autograd."""
+    written = [t for ts in sub[:2] + sub[3:] for t in ts] + list(extra or ())
+    if grads_written:
+        written += sub[2]
+    torch._C._increment_version(written)
+
+
+# -- the CPU kernel (csrc/master_step_cpu.cpp) ---------------------------------------------
+
+def _ptrs(tensors) -> list[int]:
+    return [] if tensors is None else [t.data_ptr() for t in tensors]
+
+
+def _cpu_flags(**on: bool) -> int:
+    flags = native._C.MASTER_STEP_CPU_FLAGS
+    bits = flags["fma"] if master_step_ref.fused_multiply_add() else 0
+    for name, value in on.items():
+        if value:
+            bits |= flags[name]
+    return bits
+
+
+def _scalar_ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _cpu_adam(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
+              lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
+              found_inf, write_grad):
+    """The native Adam step, steps included; returns two arrays that share memory (nothing
+    written) or None."""
+    codes = native.DTYPE_CODES
+    return native._C.master_adam_step_cpu(
+        [_ptrs(masters), _ptrs(weights), _ptrs(grads), _ptrs(exp_avgs), _ptrs(exp_avg_sqs),
+         _ptrs(max_exp_avg_sqs)], _ptrs(state_steps), [m.numel() for m in masters],
+        [codes[w.dtype] for w in weights], float(lr), beta1, beta2, weight_decay, eps,
+        _cpu_flags(amsgrad=amsgrad, maximize=maximize, adamw=adamw, write_grad=write_grad),
+        _scalar_ptr(grad_scale), _scalar_ptr(found_inf), torch.get_num_threads())
+
+
+def _cpu_sgd(masters, weights, grads, momentum_buffers, *, lr, momentum, dampening,
+             weight_decay, nesterov, maximize, is_first_step, grad_scale, found_inf, write_grad):
+    """The native SGD step; returns two arrays that share memory (nothing written) or None."""
+    codes = native.DTYPE_CODES
+    return native._C.master_sgd_step_cpu(
+        [_ptrs(masters), _ptrs(weights), _ptrs(grads), _ptrs(momentum_buffers), [], []],
+        [m.numel() for m in masters], [codes[w.dtype] for w in weights], float(lr), momentum,
+        dampening, weight_decay,
+        _cpu_flags(momentum=momentum_buffers is not None, nesterov=nesterov, maximize=maximize,
+                   first_step=is_first_step, write_grad=write_grad),
+        _scalar_ptr(grad_scale), _scalar_ptr(found_inf), torch.get_num_threads())
+
+
+# -- argument checks (metadata only: they also run on FakeTensors) ---------------------------
+
+def _as_list(op: str, name: str, value: object) -> list | tuple:
+    if type(value) is list or type(value) is tuple:
+        return value
+    if isinstance(value, torch.Tensor) or isinstance(value, (str, bytes)) \
+            or not isinstance(value, Sequence):
+        raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got "
+                        f"{type(value).__name__}")
+    return list(value)
+
+
+def _adam_lists(op, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                amsgrad) -> tuple[list, ...]:
+    if amsgrad and max_exp_avg_sqs is None:
+        raise ValueError(f"{op}: amsgrad=True needs max_exp_avg_sqs (one fp32 tensor per master)")
+    if not amsgrad and max_exp_avg_sqs is not None and len(_as_list(op, "max_exp_avg_sqs",
+                                                                     max_exp_avg_sqs)):
+        raise ValueError(f"{op}: max_exp_avg_sqs given but amsgrad=False (pass None)")
+    named = {"masters": masters, "weights": weights, "grads": grads, "exp_avgs": exp_avgs,
+             "exp_avg_sqs": exp_avg_sqs}
+    if amsgrad:
+        named["max_exp_avg_sqs"] = max_exp_avg_sqs
+    named["state_steps"] = state_steps
+    lists = _check_lists(op, named)
+    steps = lists.pop("state_steps")
+    mx = lists.pop("max_exp_avg_sqs", [])
+    return (*lists.values(), mx, steps)
+
+
+def _sgd_lists(op, masters, weights, grads, momentum_buffers, has_momentum) -> tuple[list, ...]:
+    if has_momentum and momentum_buffers is None:
+        raise ValueError(f"{op}: momentum != 0 needs momentum_buffers (one fp32 tensor per "
+                         "master; with is_first_step their content is not read)")
+    if not has_momentum and momentum_buffers is not None and len(_as_list(
+            op, "momentum_buffers", momentum_buffers)):
+        raise ValueError(f"{op}: momentum_buffers given but momentum is 0 (pass None)")
+    named = {"masters": masters, "weights": weights, "grads": grads}
+    if has_momentum:
+        named["momentum_buffers"] = momentum_buffers
+    lists = _check_lists(op, named)
+    return (*(lists[k] for k in ("masters", "weights", "grads")),
+            lists.get("momentum_buffers", []))
+
+
+def _check_lists(op: str, named: dict) -> dict[str, list]:
+    """Every list the same length; entry i of each a dense tensor on masters[i]'s device, of
+    masters[i]'s shape (steps: one element), fp32 (weights: bf16/fp16)."""
+    lists = {name: _as_list(op, name, value) for name, value in named.items()}
+    masters = lists["masters"]
+    n = len(masters)
+    for name, tensors in lists.items():
+        if len(tensors) != n:
+            raise ValueError(f"{op}: {n} masters but {len(tensors)} {name}")
+    if not _lists_ok(lists):
+        for i in range(n):  # the quick test failed: find the entry, say why
+            for name, tensors in lists.items():
+                _check_entry(op, name, i, tensors[i], masters[i])
+    return lists
+
+
+def _lists_ok(lists: dict[str, list]) -> bool:
+    """The rules of _check_lists, tested in bulk (most calls pass)."""
+    tensor, strided, low = torch.Tensor, torch.strided, LOW_PRECISION
+    masters = lists["masters"]
+    if not masters:
+        return True
+    if not all(isinstance(m, tensor) for m in masters):
+        return False
+    first = masters[0].device
+    one_device = all(m.device == first for m in masters)
+    shapes = [m.shape for m in masters]
+    for name, tensors in lists.items():
+        if not all(isinstance(t, tensor) and t.layout is strided for t in tensors):
+            return False
+        if name == "weights":
+            if not all(t.dtype in low for t in tensors):
+                return False
+        elif not all(t.dtype is _F32 for t in tensors):
+            return False
+        if one_device:
+            if not all(t.device == first for t in tensors):
+                return False
+        elif not all(t.device == m.device for t, m in zip(tensors, masters)):
+            return False
+        if name == "state_steps":
+            if not all(t.numel() == 1 for t in tensors):
+                return False
+        elif name != "masters" and not all(t.shape == s for t, s in zip(tensors, shapes)):
+            return False
+    return True
+
+
+def _check_entry(op: str, name: str, i: int, t: object, m: object) -> None:
+    """Raise for the first rule ``name[i]`` breaks."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{op}: {name}[{i}] is {t.layout}; only dense tensors are supported")
+    if name == "weights":
+        if t.dtype not in LOW_PRECISION:
+            raise TypeError(f"{op}: weights[{i}] has dtype {t.dtype}; expected torch.bfloat16 "
+                            "or torch.float16")
+    elif t.dtype is not _F32:
+        raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; expected torch.float32")
+    if not isinstance(m, torch.Tensor):
+        return  # masters[i] itself is reported when its turn comes
+    if t.device != m.device:
+        raise ValueError(f"{op}: {name}[{i}] is on {t.device} but masters[{i}] is on {m.device}")
+    if name == "state_steps":
+        if t.numel() != 1:
+            raise ValueError(f"{op}: state_steps[{i}] has {t.numel()} elements; expected one")
+    elif t.shape != m.shape:
+        raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but masters[{i}] has "
+                         f"shape {tuple(m.shape)}")
+
+
+def _check_real(op: str, name: str, value: object, low: float, high: float) -> None:
+    """A real number (not a bool) in [low, high) (high = inf: any finite value >= low; low =
+    -inf: any finite value)."""
+    if type(value) is not float and (isinstance(value, bool)
+                                     or not isinstance(value, numbers.Real)):
+        raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
+    v = float(value)
+    if math.isfinite(v) and low <= v and (v < high or high == math.inf):
+        return
+    if low == -math.inf:
+        bounds = "finite"
+    else:
+        bounds = f">= {low}" if high == math.inf else f"in [{low}, {high})"
+    raise ValueError(f"{op}: {name} must be {bounds}, got {value}")
+
+
+def _check_bool(op: str, name: str, value: object) -> None:
+    if value is not True and value is not False:
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
+
+
+def _check_lr(op: str, lr: object) -> tuple[float, torch.Tensor | None]:
+    """(lr as a number, the tensor or None). A tensor lr is read by the kernels (no host sync on
+    CUDA); it must hold one floating value."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"{op}: a tensor lr must hold one floating value, got "
+                             f"{lr.numel()} elements of {lr.dtype}")
+        return 0.0, lr
+    _check_real(op, "lr", lr, 0.0, math.inf)
+    return float(lr), None
+
+
+def _check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backend) -> None:
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor or None, got {type(t).__name__}")
+        if t.dtype is not _F32 or t.numel() != 1:
+            raise ValueError(f"{op}: {name} must be a one-element float32 tensor, got "
+                             f"{t.numel()} elements of {t.dtype}")
+    if not isinstance(backend, str):
+        raise TypeError(f"{op}: backend must be a string, got {type(backend).__name__}")
+    if backend not in _KNOWN:
+        raise ValueError(f"{op}: unknown backend {backend!r}; choose from "
+                         + ", ".join(repr(b) for b in ("auto", *BACKENDS)))
+    for device in {m.device for m in masters}:
+        _resolve(backend, device, op)  # raises for an unavailable backend
+
+
+def _check_no_overlap(op: str, rows: dict[str, list]) -> None:
+    """No two tensors of the call share memory (the kernels read and write each element once;
+    extents are compared, per device)."""
+    spans = []
+    for name, tensors in rows.items():
+        for i, t in enumerate(tensors):
+            n = t.numel()
+            if n:
+                last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+                start = t.data_ptr()
+                spans.append((t.device, start, start + (last + 1) * t.element_size(), name, i))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise ValueError(f"{op}: {a[3]}[{a[4]}] and {b[3]}[{b[4]}] share memory; every "
+                             "tensor of the step must have its own")
