@@ -16,8 +16,8 @@ tensor i and element, unless ``found_inf`` is given and nonzero (then nothing is
 Adam's ``state_steps`` (fp32 scalar tensors) are incremented before the update and, with
 ``found_inf``, decremented by it afterwards, as torch's ``_fused_adam`` does.
 
-Backends, per device: ``"cpu"`` (csrc/master_step_cpu.cpp, AVX2 with a portable fallback,
-threaded), ``"cuda"`` (csrc/master_step_kernel.h, one launch per weight dtype), ``"triton"``,
+Backends, per device: ``"cpu"`` (csrc/master_step_cpu.cpp: AVX-512 or AVX2 picked at run time,
+a portable fallback, threaded), ``"cuda"`` (csrc/master_step_kernel.h, one launch per weight dtype), ``"triton"``,
 ``"torch"`` (backends/master_step_ref.py, the readable definition); ``"auto"`` picks the first
 available of cpu/cuda, triton, torch. Tensors that are not contiguous take ``"torch"``. Every
 argument is checked first (TypeError/ValueError naming the offending index; nothing written).
@@ -583,18 +583,25 @@ def _check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backen
 
 
 def _check_no_overlap(op: str, rows: dict[str, list]) -> None:
-    """No two tensors of the call share memory (the kernels read and write each element once;
-    extents are compared, per device)."""
+    """No two tensors of the call share memory (the kernels read and write each element once).
+    Extents are compared per device; the native CPU kernel makes the same check itself."""
     spans = []
     for name, tensors in rows.items():
         for i, t in enumerate(tensors):
             n = t.numel()
             if n:
-                last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+                if not t.is_contiguous():  # its extent: first to last element
+                    n = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
                 start = t.data_ptr()
-                spans.append((t.device, start, start + (last + 1) * t.element_size(), name, i))
-    spans.sort(key=lambda s: (str(s[0]), s[1]))
-    for a, b in zip(spans, spans[1:]):
-        if a[0] == b[0] and b[1] < a[2]:
-            raise ValueError(f"{op}: {a[3]}[{a[4]}] and {b[3]}[{b[4]}] share memory; every "
-                             "tensor of the step must have its own")
+                spans.append((t.device, start, start + n * t.element_size(), name, i))
+    if len({s[0] for s in spans}) == 1:
+        spans.sort(key=lambda s: s[1])
+    else:
+        spans.sort(key=lambda s: (str(s[0]), s[1]))
+    reach, widest = None, None
+    for span in spans:
+        if reach is not None and span[0] == widest[0] and span[1] < reach:
+            raise ValueError(f"{op}: {widest[3]}[{widest[4]}] and {span[3]}[{span[4]}] share "
+                             "memory; every tensor of the step must have its own")
+        if reach is None or span[0] != widest[0] or span[2] > reach:
+            reach, widest = span[2], span
