@@ -45,13 +45,16 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def inner_step(optimizer: torch.optim.Optimizer, closure=None):
+def inner_step(optimizer: torch.optim.Optimizer, closure=None, run=None):
     """Step the inner optimizer without running the global step hooks a second time.
 
     Its own per-instance hooks still run (they were registered on it, not on the wrapper).
+    ``run()``: what takes the place of its step between them (the fused master step).
     """
     step = getattr(type(optimizer).step, "__wrapped__", None)
-    if step is None:  # a step torch did not patch: no hooks of its own
+    if run is not None:
+        step = lambda *args, **kwargs: run()  # noqa: E731
+    elif step is None:  # a step torch did not patch: no hooks of its own
         return optimizer.step(closure) if closure is not None else optimizer.step()
     record_scheduler_step(optimizer)  # what a scheduler's patch on the instance (bypassed here) records
     args: tuple = (optimizer,) if closure is None else (optimizer, closure)

@@ -17,7 +17,7 @@ import torch
 
 from accumkernels._torch_private import takes_grad_scale
 from accumkernels._util import LOW_PRECISION
-from accumkernels.optim import protocol
+from accumkernels.optim import fused_master, protocol
 from accumkernels.optim.nonfinite import grad_norm
 
 NO_WEIGHTS = "reduction='weighted' needs add_weight() for the window's micro-batches"
@@ -170,22 +170,31 @@ class Step:
         window overflows the params' dtype (``master_weights=False`` with bf16/fp16 params)."""
         flats = list(self.window.storage.buffers.values())
         scaled = self._scale_grads(flats + d.outside, d.norm, d.factor, d.fold)
-        if d.fold:
-            self.window.divisor = d.target  # the inner optimizer writes the divided grads back
         cast = self._hand_grads()
         if cast and not self.nonfinite.all_finite([p.grad for p in cast]):
             for p in cast:
                 p.grad = None
             self.intake.expose()
             return False
-        self.masters.resync_changed()
+        one_pass = fused_master.applies(self.optimizer, self.masters)
+        # the fused master step leaves the window undivided (a write it does not need) unless a
+        # torch step over params without masters writes its share back divided
+        write_grad = not one_pass or fused_master.any_rest(self.optimizer, self.masters)
+        if d.fold and write_grad:
+            self.window.divisor = d.target  # the inner optimizer writes the divided grads back
+        run = None
+        if one_pass:
+            run = lambda: fused_master.step(self.optimizer, self.masters,  # noqa: E731
+                                            write_grad=write_grad)
+        else:
+            self.masters.resync_changed()
         try:
             with self.masters.swapped():
-                protocol.inner_step(self.optimizer)
+                protocol.inner_step(self.optimizer, run=run)
         finally:
             if scaled:
                 del self.optimizer.grad_scale, self.optimizer.found_inf
-        self._after_inner_step(cast)
+        self._after_inner_step(cast, copied=one_pass)
         return True
 
     def finish(self) -> None:
@@ -315,8 +324,9 @@ class Step:
                 target.grad = view
         return cast
 
-    def _after_inner_step(self, cast: list[torch.Tensor]) -> None:
-        self.masters.copy_back()
+    def _after_inner_step(self, cast: list[torch.Tensor], copied: bool = False) -> None:
+        if not copied:  # (the fused master step wrote the weights itself)
+            self.masters.copy_back()
         for p in cast:
             p.grad = None
         self.intake.expose()  # as native: after the step .grad still shows what it used
