@@ -51,6 +51,7 @@ nonfinite.py, masters.py; update ``model_passes`` when the step changes):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -83,6 +84,13 @@ WORKLOADS = {  # name -> (label, shapes)
     "gpt2-tiny": lambda: gpt2_shapes(vocab_size=1000, n_embd=64, n_positions=128),
 }
 INNER_BYTES = 28  # AdamW per fp32 element: read p, grad, exp_avg, exp_avg_sq; write three
+SGD_BYTES = 20  # SGD with momentum per fp32 element: read p, grad, buf; write p, buf
+# the fused master step per element (bf16/fp16 weight of b bytes): read window, master, state,
+# weight; write master, state, weight (the window is not written)
+FUSED_MASTER_BYTES = {"adamw": lambda b: 4 + 4 + 8 + b + 4 + 8 + b,
+                      "sgd": lambda b: 4 + 4 + 4 + b + 4 + 4 + b}
+SGD_MOMENTUM = 0.9
+SGD_VARIANTS = ("sum", "clip")
 
 
 def _log(msg: str) -> None:
@@ -99,6 +107,9 @@ class RowSpec:
     variant: str | None = None
     foreach: bool = False
     fair: str = "adamw_fused"  # the row this one must be compared with
+    opt: str = "adamw"  # the inner optimizer: AdamW or SGD with momentum, fused=True
+    separate: bool = False  # wrapper rows: the fused master step off (re-sync, step, copy-back)
+    inner: str = "adamw_fused"  # the row of the inner optimizer alone on fp32 params (1.00x)
 
     @property
     def options(self) -> dict:
@@ -106,27 +117,43 @@ class RowSpec:
 
 
 def row_specs(variants: list[str]) -> list[RowSpec]:
-    """The rows in table order: inner optimizers, fp32 wrappers, bf16 baseline, bf16 wrappers."""
+    """The rows in table order: inner optimizers, fp32 wrappers, bf16 baseline, bf16 wrappers
+    (the fused master step, then the separate passes it replaces), then the same for SGD with
+    momentum (sum and clip)."""
     fair16 = "adamw_fused+copy_back"
+    sgd16 = "sgd_fused+copy_back"
+    sgd = {"opt": "sgd", "inner": "sgd_fused"}
     return ([RowSpec("adamw_fused", "inner", "fp32"),
              RowSpec("adamw_foreach", "inner", "fp32", foreach=True)]
             + [RowSpec(f"wrapper_fp32_{v}", "wrapper", "fp32", v) for v in variants]
             + [RowSpec(fair16, "inner+copy_back", "bf16", fair=fair16)]
             + [RowSpec(f"wrapper_bf16_{v}", "wrapper", "bf16", v, fair=fair16)
-               for v in variants])
+               for v in variants]
+            + [RowSpec(f"wrapper_bf16_{v}_separate", "wrapper", "bf16", v, fair=fair16,
+                       separate=True) for v in variants if v in SGD_VARIANTS]
+            + [RowSpec("sgd_fused", "inner", "fp32", fair="sgd_fused", **sgd),
+               RowSpec(sgd16, "inner+copy_back", "bf16", fair=sgd16, **sgd)]
+            + [RowSpec(f"wrapper_bf16_sgd_{v}{tail}", "wrapper", "bf16", v, fair=sgd16,
+                       separate=bool(tail), **sgd)
+               for tail in ("", "_separate") for v in SGD_VARIANTS])
 
 
 def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool,
                  native_resync: bool = True) -> dict[str, int]:
     """Bytes per step by pass, by the model in the module docstring."""
     b = DTYPES[spec.dtype].itemsize
-    passes = {"inner": INNER_BYTES * numel}
+    inner = SGD_BYTES if spec.opt == "sgd" else INNER_BYTES
+    passes = {"inner": inner * numel}
     if spec.kind == "inner+copy_back":
         passes["copy_back"] = (4 + b) * numel
     if spec.kind != "wrapper":
         return passes
     opts = spec.options
     passes["measure"] = 4 * numel  # finiteness and the clip norm: one read of the window
+    if b < 4 and not spec.separate:  # the fused master step: one pass, the window not written
+        del passes["inner"]
+        passes["fused_master"] = FUSED_MASTER_BYTES[spec.opt](b) * numel
+        return passes
     normalise = opts.get("reduction") == "mean" and not declare_n and micro_batches > 1
     if normalise or "max_grad_norm" in opts:
         passes["grad_scale"] = 4 * numel  # fused AdamW writes the divided gradient back
@@ -134,6 +161,21 @@ def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool,
         passes["resync"] = (4 + b) * numel if native_resync else (22 + 4 * b) * numel
         passes["copy_back"] = (4 + b) * numel
     return passes
+
+
+@contextlib.contextmanager
+def separate_passes(on: bool):
+    """The wrapper's step without the fused master step (today's three passes), for a row."""
+    if not on:
+        yield
+        return
+    from accumkernels.optim import fused_master
+    applies = fused_master.applies
+    fused_master.applies = lambda *args: False
+    try:
+        yield
+    finally:
+        fused_master.applies = applies
 
 
 class Probe(torch.nn.Module):
@@ -166,8 +208,14 @@ class StepRow:
             params = list(self.model.parameters())
             if master:
                 self.low = [p.detach().to(torch.bfloat16) for p in params]
-            self.inner = self.opt = torch.optim.AdamW(params, lr=LR, fused=not spec.foreach,
-                                                      foreach=spec.foreach or None)
+            if spec.opt == "sgd":
+                self.inner = torch.optim.SGD(params, lr=LR, momentum=SGD_MOMENTUM, fused=True)
+            else:
+                self.inner = torch.optim.AdamW(params, lr=LR, fused=not spec.foreach,
+                                               foreach=spec.foreach or None)
+            self.opt = self.inner
+            self.steps = 0
+            self.inner.register_step_post_hook(lambda *_: self._count())
             if spec.kind == "wrapper":
                 self.opt = accumkernels.AccumulatingOptimizer(
                     self.inner, accumulation_steps=micro_batches if declare_n else None,
@@ -184,18 +232,18 @@ class StepRow:
                 loss = self.opt.scale_loss(loss)
             loss.backward()
 
+    def _count(self) -> None:
+        self.steps += 1
+
     def step(self) -> None:
-        self.opt.step()
+        with separate_passes(self.spec.separate):
+            self.opt.step()
         if self.low:
             torch._foreach_copy_(self.low, list(self.model.parameters()))
 
     def inner_steps(self) -> int:
-        """Steps the inner optimizer took (its first param's ``step`` state)."""
-        if self.inner is None:
-            return 0
-        first = self.inner.param_groups[0]["params"][0]
-        step = self.inner.state.get(first, {}).get("step")
-        return int(step) if step is not None else 0
+        """Steps the inner optimizer took (its step post-hook's count)."""
+        return self.steps if self.inner is not None else 0
 
     def close(self) -> None:
         if isinstance(self.opt, accumkernels.AccumulatingOptimizer):
@@ -269,7 +317,8 @@ def row_record(row: StepRow, numel: int, args: argparse.Namespace, expected_step
             "micro_batches": row.micro, "status": status, "error": row.error,
             "inner_steps": steps, "expected_steps": expected_steps, "skipped_steps": skipped,
             "median_ms": med, "p20_ms": p20, "p80_ms": p80, "times_ms": row.times,
-            "ratio_vs_adamw_fused": None, "ratio_vs_fair": None,
+            "inner_baseline": spec.inner, "ratio_vs_adamw_fused": None, "ratio_vs_fair": None,
+            "ratio_vs_inner": None,
             "model_bytes": model_bytes, "model_bytes_by_pass": passes,
             # passes outside aten (a native call): TrafficTally's "counted" cannot see them
             "uncounted_passes": ["resync", "copy_back"] if native_resync and "resync" in passes
@@ -368,10 +417,13 @@ def main(argv: list[str] | None = None) -> int:
                    "variants": args.variants, "micro_batches": args.micro_batches,
                    "declare_n": args.declare_n, "reps": args.reps, "warmup": args.warmup,
                    "threads": args.threads or None, "tally": args.tally, "seed": args.seed,
-                   "quick": args.quick, "optimizer": f"AdamW(lr={LR})",
+                   "quick": args.quick, "optimizer": f"AdamW(lr={LR}, fused=True); SGD rows: "
+                                                     f"SGD(lr={LR}, momentum={SGD_MOMENTUM}, "
+                                                     "fused=True)",
                    "timer": "time.perf_counter around step()"
                             + (", synchronised" if device.type == "cuda" else ""),
-                   "inner_bytes_per_element": INNER_BYTES, "lr": LR},
+                   "inner_bytes_per_element": INNER_BYTES, "sgd_bytes_per_element": SGD_BYTES,
+                   "lr": LR},
         "rows": records, "elapsed_s": time.perf_counter() - started,
     }
     out = args.out or default_out_path("step-" + env["device_slug"], now.date(), False,

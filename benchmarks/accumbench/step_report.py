@@ -18,6 +18,8 @@ def add_ratios(rows: list[dict]) -> None:
             continue
         r["ratio_vs_adamw_fused"] = r["median_ms"] / fused if fused else None
         r["ratio_vs_fair"] = r["median_ms"] / fair["median_ms"] if fair.get("median_ms") else None
+        inner = by_name.get(r.get("inner_baseline", "adamw_fused"), {}).get("median_ms")
+        r["ratio_vs_inner"] = r["median_ms"] / inner if inner else None
 
 
 def _f(x: float | None, spec: str) -> str:
@@ -42,7 +44,7 @@ def format_table(record: dict) -> str:
          f"repetitions after {c['warmup']} warm-up; {c['optimizer']}"),
         "",
         (f"{'row':<32} {'model':>5} {'median ms':>10} {'p20':>8} {'p80':>8} {'x fused':>7} "
-         f"{'x fair':>6} {'model MB':>9} {'+MB fair':>8} {'GB/s':>6} {'counted MB':>10} "
+         f"{'x fair':>6} {'x inner':>7} {'model MB':>9} {'+MB fair':>8} {'GB/s':>6} {'counted MB':>10} "
          f"{'+MB fair':>8} {'ops':>5} {'items':>5}  status"),
     ]
     for r in record["rows"]:
@@ -51,6 +53,7 @@ def format_table(record: dict) -> str:
             f"{r['row']:<32} {r['model_dtype']:>5} {_f(r['median_ms'], '10.2f'):>10} "
             f"{_f(r['p20_ms'], '8.2f'):>8} {_f(r['p80_ms'], '8.2f'):>8} "
             f"{_f(r['ratio_vs_adamw_fused'], '7.2f'):>7} {_f(r['ratio_vs_fair'], '6.2f'):>6} "
+            f"{_f(r.get('ratio_vs_inner'), '7.2f'):>7} "
             f"{r['model_bytes'] / mb:9.1f} {_f(_div(r['model_bytes_vs_fair'], mb), '8.1f'):>8} "
             f"{_f(r['model_gbps'], '6.1f'):>6} "
             f"{_f(_div(counted.get('bytes'), mb), '10.1f'):>10} "
@@ -58,7 +61,10 @@ def format_table(record: dict) -> str:
             f"{_f(counted.get('ops'), 'd'):>5} {_f(counted.get('scalar_reads'), 'd'):>5}  "
             f"{r['status']}" + (f" ({r['error']})" if r["error"] else ""))
     lines += ["", ("x fused: median / adamw_fused's; x fair: / the row's fair baseline's "
-                   "(adamw_fused for fp32 models, adamw_fused+copy_back for bf16); model MB: "
+                   "(adamw_fused for fp32 models, adamw_fused+copy_back for bf16, the sgd_ rows' "
+                   "for SGD); x inner: / the row's inner optimizer alone on fp32 params "
+                   "(adamw_fused or sgd_fused: the goal's ratio); _separate: the fused master "
+                   "step off (re-sync, step, copy-back); model MB: "
                    "the byte model (see bench_step.py); counted MB, ops, items: one step's aten "
                    "ops under TrafficTally (items: .item()-style reads by the host, each a "
                    "device sync where the tensor is on a GPU); MB = 1e6 bytes")]
