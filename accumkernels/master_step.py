@@ -29,13 +29,12 @@ they write.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
 import torch
 
-from accumkernels._util import LOW_PRECISION
-from accumkernels.backends import master_step_ref, native
+from accumkernels import master_step_checks as checks
+from accumkernels.backends import master_step_cpu, master_step_ref
 
 try:  # the other device backends are optional: without them their routes are unavailable
     from accumkernels.backends import master_step_cuda
@@ -89,16 +88,16 @@ def master_adam_step_(
     for AdamW with bf16 weights, vs 28 B for torch's fused step on fp32 params alone).
     """
     op = "master_adam_step_"
-    lists = _adam_lists(op, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+    lists = checks.adam_lists(op, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                         state_steps, amsgrad)
-    lr_value, lr_tensor = _check_lr(op, lr)
+    lr_value, lr_tensor = checks.check_lr(op, lr)
     for name, value, low, high in (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0),
                                    ("weight_decay", weight_decay, 0.0, math.inf),
                                    ("eps", eps, 0.0, math.inf)):
-        _check_real(op, name, value, low, high)
+        checks.check_real(op, name, value, low, high)
     for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("adamw", adamw),
                         ("write_grad", write_grad)):
-        _check_bool(op, name, value)
+        checks.check_bool(op, name, value)
     _check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend)
     if not lists[0]:
         return
@@ -138,14 +137,14 @@ def master_sgd_step_(
     :func:`master_adam_step_`.
     """
     op = "master_sgd_step_"
-    _check_real(op, "momentum", momentum, 0.0, math.inf)
-    lists = _sgd_lists(op, masters, weights, grads, momentum_buffers, momentum != 0)
-    lr_value, lr_tensor = _check_lr(op, lr)
-    _check_real(op, "dampening", dampening, -math.inf, math.inf)
-    _check_real(op, "weight_decay", weight_decay, 0.0, math.inf)
+    checks.check_real(op, "momentum", momentum, 0.0, math.inf)
+    lists = checks.sgd_lists(op, masters, weights, grads, momentum_buffers, momentum != 0)
+    lr_value, lr_tensor = checks.check_lr(op, lr)
+    checks.check_real(op, "dampening", dampening, -math.inf, math.inf)
+    checks.check_real(op, "weight_decay", weight_decay, 0.0, math.inf)
     for name, value in (("nesterov", nesterov), ("maximize", maximize),
                         ("is_first_step", is_first_step), ("write_grad", write_grad)):
-        _check_bool(op, name, value)
+        checks.check_bool(op, name, value)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{op}: nesterov requires a momentum and zero dampening (got momentum="
                          f"{momentum}, dampening={dampening}), as torch.optim.SGD")
@@ -223,7 +222,7 @@ def _adam_impl(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, 
     state = (exp_avgs, exp_avg_sqs) + ((max_exp_avg_sqs,) if amsgrad else ())
     plan = _plan(backend, masters, weights, grads, state)
     if len(plan) > 1:  # several devices or backends: check the whole call before any part runs
-        _check_no_overlap(op, dict(zip(_ADAM_LISTS, lists)))
+        checks.check_no_overlap(op, dict(zip(_ADAM_LISTS, lists)))
     for device, name, part in plan:
         gs, fi = _on(grad_scale, device), _on(found_inf, device)
         sub = [[t[i] for i in part] for t in lists[:5]]
@@ -233,11 +232,11 @@ def _adam_impl(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, 
                   eps=eps, amsgrad=amsgrad, maximize=maximize, adamw=adamw, grad_scale=gs,
                   found_inf=fi, write_grad=write_grad)
         if name == "cpu":  # the native kernel also counts the steps (torch's _fused_adam does)
-            _raise_overlap(op, _ADAM_LISTS, part, _cpu_adam(*sub, mx, steps, **kw))
+            _raise_overlap(op, _ADAM_LISTS, part, master_step_cpu.adam(*sub, mx, steps, **kw))
             _bump(sub, (mx or []) + steps, gs is not None and write_grad)
             continue
         if len(plan) == 1:
-            _check_no_overlap(op, dict(zip(_ADAM_LISTS, lists)))
+            checks.check_no_overlap(op, dict(zip(_ADAM_LISTS, lists)))
         torch._foreach_add_(steps, 1)  # torch's _fused_adam: the kernel reads the new steps
         _backend_fn(name, "adam")(*sub, mx, steps, **kw)
         if fi is not None:
@@ -253,7 +252,7 @@ def _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum
     lists = (masters, weights, grads, momentum_buffers)
     plan = _plan(backend, masters, weights, grads, (momentum_buffers,) if has_buf else ())
     if len(plan) > 1 or plan[0][1] != "cpu":
-        _check_no_overlap(op, dict(zip(_SGD_LISTS, lists)))
+        checks.check_no_overlap(op, dict(zip(_SGD_LISTS, lists)))
     for device, name, part in plan:
         gs, fi = _on(grad_scale, device), _on(found_inf, device)
         sub = [[t[i] for i in part] for t in lists[:3]]
@@ -263,7 +262,7 @@ def _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum
                   is_first_step=is_first_step, grad_scale=gs, found_inf=fi,
                   write_grad=write_grad)
         if name == "cpu":
-            _raise_overlap(op, _SGD_LISTS, part, _cpu_sgd(*sub, bufs, **kw))
+            _raise_overlap(op, _SGD_LISTS, part, master_step_cpu.sgd(*sub, bufs, **kw))
             _bump(sub, bufs, gs is not None and write_grad)
         else:
             _backend_fn(name, "sgd")(*sub, bufs, **kw)
@@ -341,7 +340,7 @@ def _available(name: str, device: torch.device) -> bool:
     if name == "torch":
         return True
     if name == "cpu":
-        return device.type == "cpu" and hasattr(native._C, "master_adam_step_cpu")
+        return master_step_cpu.is_available(device)
     if name in ("cuda", "cuda_host"):
         if master_step_cuda is None:
             return False
@@ -368,202 +367,6 @@ def _bump(sub, extra, grads_written: bool) -> None:
     torch._C._increment_version(written)
 
 
-# -- the CPU kernel (csrc/master_step_cpu.cpp) ---------------------------------------------
-
-def _ptrs(tensors) -> list[int]:
-    return [] if tensors is None else [t.data_ptr() for t in tensors]
-
-
-def _cpu_flags(**on: bool) -> int:
-    flags = native._C.MASTER_STEP_CPU_FLAGS
-    bits = flags["fma"] if master_step_ref.fused_multiply_add() else 0
-    for name, value in on.items():
-        if value:
-            bits |= flags[name]
-    return bits
-
-
-def _scalar_ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-def _cpu_adam(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
-              lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
-              found_inf, write_grad):
-    """The native Adam step, steps included; returns two arrays that share memory (nothing
-    written) or None."""
-    codes = native.DTYPE_CODES
-    return native._C.master_adam_step_cpu(
-        [_ptrs(masters), _ptrs(weights), _ptrs(grads), _ptrs(exp_avgs), _ptrs(exp_avg_sqs),
-         _ptrs(max_exp_avg_sqs)], _ptrs(state_steps), [m.numel() for m in masters],
-        [codes[w.dtype] for w in weights], float(lr), beta1, beta2, weight_decay, eps,
-        _cpu_flags(amsgrad=amsgrad, maximize=maximize, adamw=adamw, write_grad=write_grad),
-        _scalar_ptr(grad_scale), _scalar_ptr(found_inf), torch.get_num_threads())
-
-
-def _cpu_sgd(masters, weights, grads, momentum_buffers, *, lr, momentum, dampening,
-             weight_decay, nesterov, maximize, is_first_step, grad_scale, found_inf, write_grad):
-    """The native SGD step; returns two arrays that share memory (nothing written) or None."""
-    codes = native.DTYPE_CODES
-    return native._C.master_sgd_step_cpu(
-        [_ptrs(masters), _ptrs(weights), _ptrs(grads), _ptrs(momentum_buffers), [], []],
-        [m.numel() for m in masters], [codes[w.dtype] for w in weights], float(lr), momentum,
-        dampening, weight_decay,
-        _cpu_flags(momentum=momentum_buffers is not None, nesterov=nesterov, maximize=maximize,
-                   first_step=is_first_step, write_grad=write_grad),
-        _scalar_ptr(grad_scale), _scalar_ptr(found_inf), torch.get_num_threads())
-
-
-# -- argument checks (metadata only: they also run on FakeTensors) ---------------------------
-
-def _as_list(op: str, name: str, value: object) -> list | tuple:
-    if type(value) is list or type(value) is tuple:
-        return value
-    if isinstance(value, torch.Tensor) or isinstance(value, (str, bytes)) \
-            or not isinstance(value, Sequence):
-        raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got "
-                        f"{type(value).__name__}")
-    return list(value)
-
-
-def _adam_lists(op, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                amsgrad) -> tuple[list, ...]:
-    if amsgrad and max_exp_avg_sqs is None:
-        raise ValueError(f"{op}: amsgrad=True needs max_exp_avg_sqs (one fp32 tensor per master)")
-    if not amsgrad and max_exp_avg_sqs is not None and len(_as_list(op, "max_exp_avg_sqs",
-                                                                     max_exp_avg_sqs)):
-        raise ValueError(f"{op}: max_exp_avg_sqs given but amsgrad=False (pass None)")
-    named = {"masters": masters, "weights": weights, "grads": grads, "exp_avgs": exp_avgs,
-             "exp_avg_sqs": exp_avg_sqs}
-    if amsgrad:
-        named["max_exp_avg_sqs"] = max_exp_avg_sqs
-    named["state_steps"] = state_steps
-    lists = _check_lists(op, named)
-    steps = lists.pop("state_steps")
-    mx = lists.pop("max_exp_avg_sqs", [])
-    return (*lists.values(), mx, steps)
-
-
-def _sgd_lists(op, masters, weights, grads, momentum_buffers, has_momentum) -> tuple[list, ...]:
-    if has_momentum and momentum_buffers is None:
-        raise ValueError(f"{op}: momentum != 0 needs momentum_buffers (one fp32 tensor per "
-                         "master; with is_first_step their content is not read)")
-    if not has_momentum and momentum_buffers is not None and len(_as_list(
-            op, "momentum_buffers", momentum_buffers)):
-        raise ValueError(f"{op}: momentum_buffers given but momentum is 0 (pass None)")
-    named = {"masters": masters, "weights": weights, "grads": grads}
-    if has_momentum:
-        named["momentum_buffers"] = momentum_buffers
-    lists = _check_lists(op, named)
-    return (*(lists[k] for k in ("masters", "weights", "grads")),
-            lists.get("momentum_buffers", []))
-
-
-def _check_lists(op: str, named: dict) -> dict[str, list]:
-    """Every list the same length; entry i of each a dense tensor on masters[i]'s device, of
-    masters[i]'s shape (steps: one element), fp32 (weights: bf16/fp16)."""
-    lists = {name: _as_list(op, name, value) for name, value in named.items()}
-    masters = lists["masters"]
-    n = len(masters)
-    for name, tensors in lists.items():
-        if len(tensors) != n:
-            raise ValueError(f"{op}: {n} masters but {len(tensors)} {name}")
-    if not _lists_ok(lists):
-        for i in range(n):  # the quick test failed: find the entry, say why
-            for name, tensors in lists.items():
-                _check_entry(op, name, i, tensors[i], masters[i])
-    return lists
-
-
-def _lists_ok(lists: dict[str, list]) -> bool:
-    """The rules of _check_lists, tested in bulk (most calls pass)."""
-    tensor, strided, low = torch.Tensor, torch.strided, LOW_PRECISION
-    masters = lists["masters"]
-    if not masters:
-        return True
-    if not all(isinstance(m, tensor) for m in masters):
-        return False
-    first = masters[0].device
-    one_device = all(m.device == first for m in masters)
-    shapes = [m.shape for m in masters]
-    for name, tensors in lists.items():
-        if not all(isinstance(t, tensor) and t.layout is strided for t in tensors):
-            return False
-        if name == "weights":
-            if not all(t.dtype in low for t in tensors):
-                return False
-        elif not all(t.dtype is _F32 for t in tensors):
-            return False
-        if one_device:
-            if not all(t.device == first for t in tensors):
-                return False
-        elif not all(t.device == m.device for t, m in zip(tensors, masters)):
-            return False
-        if name == "state_steps":
-            if not all(t.numel() == 1 for t in tensors):
-                return False
-        elif name != "masters" and not all(t.shape == s for t, s in zip(tensors, shapes)):
-            return False
-    return True
-
-
-def _check_entry(op: str, name: str, i: int, t: object, m: object) -> None:
-    """Raise for the first rule ``name[i]`` breaks."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout is not torch.strided:
-        raise TypeError(f"{op}: {name}[{i}] is {t.layout}; only dense tensors are supported")
-    if name == "weights":
-        if t.dtype not in LOW_PRECISION:
-            raise TypeError(f"{op}: weights[{i}] has dtype {t.dtype}; expected torch.bfloat16 "
-                            "or torch.float16")
-    elif t.dtype is not _F32:
-        raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; expected torch.float32")
-    if not isinstance(m, torch.Tensor):
-        return  # masters[i] itself is reported when its turn comes
-    if t.device != m.device:
-        raise ValueError(f"{op}: {name}[{i}] is on {t.device} but masters[{i}] is on {m.device}")
-    if name == "state_steps":
-        if t.numel() != 1:
-            raise ValueError(f"{op}: state_steps[{i}] has {t.numel()} elements; expected one")
-    elif t.shape != m.shape:
-        raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but masters[{i}] has "
-                         f"shape {tuple(m.shape)}")
-
-
-def _check_real(op: str, name: str, value: object, low: float, high: float) -> None:
-    """A real number (not a bool) in [low, high) (high = inf: any finite value >= low; low =
-    -inf: any finite value)."""
-    if type(value) is not float and (isinstance(value, bool)
-                                     or not isinstance(value, numbers.Real)):
-        raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
-    v = float(value)
-    if math.isfinite(v) and low <= v and (v < high or high == math.inf):
-        return
-    if low == -math.inf:
-        bounds = "finite"
-    else:
-        bounds = f">= {low}" if high == math.inf else f"in [{low}, {high})"
-    raise ValueError(f"{op}: {name} must be {bounds}, got {value}")
-
-
-def _check_bool(op: str, name: str, value: object) -> None:
-    if value is not True and value is not False:
-        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
-
-
-def _check_lr(op: str, lr: object) -> tuple[float, torch.Tensor | None]:
-    """(lr as a number, the tensor or None). A tensor lr is read by the kernels (no host sync on
-    CUDA); it must hold one floating value."""
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1 or not lr.is_floating_point():
-            raise ValueError(f"{op}: a tensor lr must hold one floating value, got "
-                             f"{lr.numel()} elements of {lr.dtype}")
-        return 0.0, lr
-    _check_real(op, "lr", lr, 0.0, math.inf)
-    return float(lr), None
-
-
 def _check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backend) -> None:
     for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
         if t is None:
@@ -580,28 +383,3 @@ def _check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backen
                          + ", ".join(repr(b) for b in ("auto", *BACKENDS)))
     for device in {m.device for m in masters}:
         _resolve(backend, device, op)  # raises for an unavailable backend
-
-
-def _check_no_overlap(op: str, rows: dict[str, list]) -> None:
-    """No two tensors of the call share memory (the kernels read and write each element once).
-    Extents are compared per device; the native CPU kernel makes the same check itself."""
-    spans = []
-    for name, tensors in rows.items():
-        for i, t in enumerate(tensors):
-            n = t.numel()
-            if n:
-                if not t.is_contiguous():  # its extent: first to last element
-                    n = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-                start = t.data_ptr()
-                spans.append((t.device, start, start + n * t.element_size(), name, i))
-    if len({s[0] for s in spans}) == 1:
-        spans.sort(key=lambda s: s[1])
-    else:
-        spans.sort(key=lambda s: (str(s[0]), s[1]))
-    reach, widest = None, None
-    for span in spans:
-        if reach is not None and span[0] == widest[0] and span[1] < reach:
-            raise ValueError(f"{op}: {widest[3]}[{widest[4]}] and {span[3]}[{span[4]}] share "
-                             "memory; every tensor of the step must have its own")
-        if reach is None or span[0] != widest[0] or span[2] > reach:
-            reach, widest = span[2], span
