@@ -12,6 +12,12 @@
 #             the SASS both kernels compile to on this machine
 #   train     env, build, benchmarks/bench_train.py (GPT-2 small) and find_micro_batch_size
 #   sanitize  env, build, the four compute-sanitizer tools with more time, memcheck twice
+#   master    env, build, the fused master step on the GPU: its cuda and triton backends against
+#             torch's own fused CUDA Adam/AdamW/SGD + cast, bit for bit
+#             (tests/op/test_master_step_gpu.py), then the step table's fused-master rows
+#             (AdamW and SGD-momentum, with and without clipping, vs the separate passes and
+#             torch's fused step + copy-back; goal: within 10 % of the byte floor at the copy
+#             bandwidth the kernel benchmark measures)
 #
 # Every stage runs under `timeout`, and the whole run stops starting stages once
 # AK_BUDGET seconds (default 540) are nearly spent, so a call with timeout_s=600 always ends
@@ -34,7 +40,8 @@ SUMMARY=()
 DATE=$(date -u +%F)
 SLUG=unknown-gpu
 TEST_FILES=(tests/op/test_accumulate.py tests/op/test_cuda_graphs.py tests/wgrad/test_wgrad.py
-            tests/op/test_triton_backend.py tests/op/test_native_build.py)
+            tests/op/test_triton_backend.py tests/op/test_native_build.py
+            tests/op/test_master_step_gpu.py)
 
 # stage NAME CAP_SECONDS CMD...: run CMD with a time limit, its output also in $STAGES/NAME.log
 stage() {
@@ -249,8 +256,16 @@ main() {
       run_sanitizers 110
       sanitize_tool memcheck 110  # with the caching allocator: the captured cases too
       ;;
+    master)
+      stage build 240 stage_build stwb
+      stage master-gpu-tests 200 "$PY" -m pytest -q -p no:cacheprovider -rs \
+        tests/op/test_master_step_gpu.py
+      stage bench-step-master 150 "$PY" -m benchmarks.accumbench step --variants sum,clip \
+        --out "$OUT/step-$SLUG-$DATE-fused-master.json"
+      keep "$OUT/step-$SLUG-$DATE-fused-master.json"
+      ;;
     *)
-      echo "unknown mode $MODE (all, check, bench, tune, train, sanitize)"
+      echo "unknown mode $MODE (all, check, bench, tune, train, sanitize, master)"
       ;;
   esac
   summary

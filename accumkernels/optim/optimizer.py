@@ -7,13 +7,18 @@ The rooms (each owns its state and its piece of the checkpoint; none holds the f
 * ``intake`` (intake.py, guard.py): hooks, fused launches, what ``p.grad`` shows; it reports
   upward through one seam (:class:`_Events`: a micro-batch ended, the window was dropped from
   outside, the params moved);
-* ``step`` (step.py): gather -> decide -> apply -> finish;
-* ``sync`` (sync.py; FSDP2: fsdp2.py): local, ``process_group``, DDP or the FSDP2 mesh;
+* ``step`` (step.py): gather -> decide -> apply -> finish; with fp32 masters and a fused
+  torch AdamW/Adam/SGD, ``apply`` runs the fused master step (fused_master.py) in the inner
+  optimizer's place;
+* ``sync`` (sync.py, sync_ddp.py; FSDP2: fsdp2.py): local, ``process_group``, DDP or the
+  FSDP2 mesh; pipeline stages share a norm round (``StageNorm``, joined through
+  ``join_stage_norm``);
 * ``masters`` (masters.py), ``nonfinite`` (nonfinite.py), ``scaler`` (scaling.py), ``outside``
   (outside.py): fp32 master weights, the non-finite policy, loss scaling, params outside the
   window;
 * the layout (parts.py; fsdp2.py): flat buffer or FSDP2 shards, picked by a factory;
-* ``checkpoint`` (checkpoint.py, fsdp2_checkpoint.py): assembles the rooms' pieces.
+* ``checkpoint`` (checkpoint.py, fsdp2_checkpoint.py): assembles the rooms' pieces;
+  live_state.py: what ``opt.state``/``opt.param_groups`` show (the keys a checkpoint holds).
 """
 
 from __future__ import annotations
