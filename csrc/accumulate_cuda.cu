@@ -37,6 +37,7 @@
 
 #include "accumulate.h"
 #include "accumulate_kernel.h"
+#include "cuda_runtime_util.cuh"
 
 namespace accumkernels {
 namespace {
@@ -50,52 +51,10 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSM)
   if (args.found_inf != nullptr) after_barrier(args, __syncthreads_or(bad), threadIdx.x);
 }
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("accumkernels CUDA: ") + what + " failed: " +
-                             cudaGetErrorString(err));
-}
-
-// Sets `device` current for the scope and restores the caller's device afterwards; a negative
-// `device` means "the current one" and is replaced by it.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int& device) {
-    check(cudaGetDevice(&prev_), "cudaGetDevice");
-    if (device < 0) device = prev_;
-    if (prev_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-    else prev_ = -1;
-  }
-  ~DeviceGuard() {
-    if (prev_ >= 0) cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = -1;
-};
-
-int sm_count(int device) {  // cached: cudaDeviceGetAttribute is cheap, but not free
-  constexpr int kCached = 64;
-  static std::atomic<int> cache[kCached] = {};
-  if (device >= 0 && device < kCached && cache[device].load(std::memory_order_relaxed) > 0)
-    return cache[device].load(std::memory_order_relaxed);
-  int n = 0;
-  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
-        "cudaDeviceGetAttribute(MultiProcessorCount)");
-  if (device >= 0 && device < kCached) cache[device].store(n, std::memory_order_relaxed);
-  return n;
-}
-
-bool stream_is_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    (void)cudaGetLastError();  // e.g. legacy stream during a global capture: play safe
-    return true;
-  }
-  return status != cudaStreamCaptureStatusNone;
-}
+using cuda_util::check;
+using cuda_util::DeviceGuard;
+using cuda_util::sm_count;
+using cuda_util::stream_is_capturing;
 
 // launch_entries' Launcher (accumulate_kernel.h): real launches on `stream` of `device`.
 struct CudaLauncher {
@@ -109,25 +68,9 @@ struct CudaLauncher {
     accumulate_kernel<Table, kOverwrite, kNorm><<<grid, kBlockThreads, 0, stream>>>(table, args);
     check(cudaGetLastError(), "accumulate kernel launch");
   }
-  // The table in device memory, allocated, filled and freed in stream order (the host buffer is
-  // staged by cudaMemcpyAsync before it returns, so `entries` may die afterwards).
   template <class F>
   void with_table_copy(const TensorEntry* entries, size_t n, F launch_with) {
-    const size_t bytes = n * sizeof(TensorEntry);
-    void* table_mem = nullptr;
-    check(cudaMallocAsync(&table_mem, bytes, stream), "cudaMallocAsync(tensor table)");
-    cudaError_t err = cudaMemcpyAsync(table_mem, entries, bytes, cudaMemcpyHostToDevice, stream);
-    if (err == cudaSuccess) {
-      try {
-        launch_with(static_cast<const TensorEntry*>(table_mem));
-      } catch (...) {
-        cudaFreeAsync(table_mem, stream);
-        throw;
-      }
-    }
-    const cudaError_t free_err = cudaFreeAsync(table_mem, stream);
-    check(err, "cudaMemcpyAsync(tensor table)");
-    check(free_err, "cudaFreeAsync(tensor table)");
+    cuda_util::with_table_copy(stream, entries, n, launch_with, "tensor table");
   }
 };
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_runtime_util.cuh"
 #include "master_step_kernel.h"
 
 namespace accumkernels {
@@ -25,50 +26,10 @@ __global__ void __launch_bounds__(kThreads)
   step_thread<kAlgo, W>(table, args, blockIdx.x, threadIdx.x, gridDim.x);
 }
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("accumkernels CUDA (master step): ") + what +
-                             " failed: " + cudaGetErrorString(err));
-}
-
-class DeviceGuard {  // `device` current for the scope (< 0: the current one, filled in)
- public:
-  explicit DeviceGuard(int& device) {
-    check(cudaGetDevice(&prev_), "cudaGetDevice");
-    if (device < 0) device = prev_;
-    if (prev_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-    else prev_ = -1;
-  }
-  ~DeviceGuard() {
-    if (prev_ >= 0) cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = -1;
-};
-
-int sm_count(int device) {
-  constexpr int kCached = 64;
-  static std::atomic<int> cache[kCached] = {};
-  if (device >= 0 && device < kCached && cache[device].load(std::memory_order_relaxed) > 0)
-    return cache[device].load(std::memory_order_relaxed);
-  int n = 0;
-  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
-        "cudaDeviceGetAttribute(MultiProcessorCount)");
-  if (device >= 0 && device < kCached) cache[device].store(n, std::memory_order_relaxed);
-  return n;
-}
-
-bool stream_is_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    (void)cudaGetLastError();  // e.g. the legacy stream during a global capture: play safe
-    return true;
-  }
-  return status != cudaStreamCaptureStatusNone;
-}
+using cuda_util::check;
+using cuda_util::DeviceGuard;
+using cuda_util::sm_count;
+using cuda_util::stream_is_capturing;
 
 struct CudaLauncher {
   cudaStream_t stream;
@@ -83,21 +44,7 @@ struct CudaLauncher {
   }
   template <class F>
   void with_table_copy(const Entry* entries, size_t n, F launch_with) {
-    const size_t bytes = n * sizeof(Entry);
-    void* mem = nullptr;
-    check(cudaMallocAsync(&mem, bytes, stream), "cudaMallocAsync(master step table)");
-    cudaError_t err = cudaMemcpyAsync(mem, entries, bytes, cudaMemcpyHostToDevice, stream);
-    if (err == cudaSuccess) {
-      try {
-        launch_with(static_cast<const Entry*>(mem));
-      } catch (...) {
-        cudaFreeAsync(mem, stream);
-        throw;
-      }
-    }
-    const cudaError_t free_err = cudaFreeAsync(mem, stream);
-    check(err, "cudaMemcpyAsync(master step table)");
-    check(free_err, "cudaFreeAsync(master step table)");
+    cuda_util::with_table_copy(stream, entries, n, launch_with, "master step table");
   }
 };
 
@@ -118,7 +65,7 @@ cudaError_t load_algo() {  // cudaFuncGetAttributes forces the lazy module load
 
 std::string master_step_cuda_load(int device) {
   try {
-    master_step::DeviceGuard guard(device);
+    cuda_util::DeviceGuard guard(device);
     using master_step::load_algo;
     const cudaError_t loads[] = {
         load_algo<kStepSgd, bf16_t>(), load_algo<kStepAdamF64, bf16_t>(),
@@ -137,7 +84,7 @@ std::string master_step_cuda_load(int device) {
 }
 
 void master_step_cuda(const MasterStepCall& call, void* stream, int device) {
-  master_step::DeviceGuard guard(device);
+  cuda_util::DeviceGuard guard(device);
   master_step::CudaLauncher launcher{static_cast<cudaStream_t>(stream), device};
   master_step::launch_call(call, launcher);
 }
