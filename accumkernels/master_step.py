@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from accumkernels import master_step_checks as checks
+import accumkernels.master_step_checks as checks
 from accumkernels.backends import master_step_cpu, master_step_ref
 
 try:  # the other device backends are optional: without them their routes are unavailable

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from accumkernels import backends
+import accumkernels.backends as backends
 from accumkernels.backends import native, validate
 from accumkernels.backends.validate import CHECK_AUTOGRAD, CHECK_INFERENCE, fail
 

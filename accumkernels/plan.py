@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from accumkernels import backends
+import accumkernels.backends as backends
 from accumkernels.backends import native, validate
 from accumkernels.backends.validate import fail
 from accumkernels.ops import (

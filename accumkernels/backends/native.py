@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 try:
-    from accumkernels import _C
+    import accumkernels._C as _C
 except ImportError as exc:  # not built: only the torch/triton backends are usable
     _C = None
     IMPORT_ERROR: ImportError | None = exc
