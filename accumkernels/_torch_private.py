@@ -5,7 +5,9 @@ every one on the installed torch and fails loudly, naming the entry, when torch 
 Checked on torch 2.11 (the GPU machines) and 2.13 (CPU CI).
 
 The kernel layer's dispatch-key reads (``torch._C._dispatch_keys``, ``_increment_version`` in
-accumkernels.ops and accumkernels.backends) belong to the op's custom-op contract and stay there.
+accumkernels.ops, accumkernels.master_step and accumkernels.backends) belong to the ops' custom-op
+contract and stay there; so do the fused master step reference's calls of torch's own fused
+optimizer ops (``torch._fused_adamw_`` and kin, tested against ``torch.optim``'s fused steps).
 """
 
 from __future__ import annotations
