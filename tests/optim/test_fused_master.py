@@ -81,7 +81,8 @@ class Reference:
             p.grad = None
         loss_of(self.model, x).backward()
         for w, p in zip(self.window, self.params):
-            w.add_(p.grad.float())
+            if p.grad is not None:
+                w.add_(p.grad.float())
         self.count += 1
 
     def user_writes(self) -> None:
@@ -92,16 +93,19 @@ class Reference:
                     m.copy_(torch.where(p.ne(m.to(p.dtype)), p.float(), m))
 
     def step(self) -> None:
+        self.norms = getattr(self, "norms", [])
         self.user_writes()
         # the wrapper's fold (optim/step.py): the window's norm as clip_grad_norm_ measures
         # it, times the normalisation factor; grad_scale = clip coefficient / factor
         factor = 1.0 / self.count if self.reduction == "mean" else 1.0
         scale = torch.tensor(1.0 / factor)
         if self.clip is not None:
-            norm = torch.nn.utils.get_total_norm(self.window) * factor
+            norm = torch.nn.utils.get_total_norm(
+                [w for w, p in zip(self.window, self.params) if p.requires_grad]) * factor
+            self.norms.append(norm.float())
             scale = torch.clamp((norm + 1e-6) / self.clip, min=1.0) / factor
-        for m, w in zip(self.masters, self.window):
-            m.grad = w.clone()
+        for m, w, p in zip(self.masters, self.window, self.params):
+            m.grad = w.clone() if p.requires_grad else None
         if factor != 1.0 or self.clip is not None:
             self.inner.grad_scale, self.inner.found_inf = scale, torch.zeros(())
         self.inner.step()
@@ -124,6 +128,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                        b.detach().contiguous().view(ints[b.dtype]))
 
 
+def assert_same_run(opt: AccumulatingOptimizer, ref: Reference, seed: int) -> None:
+    """Params, masters, state (below), and every loss and clip norm of the run, bit for bit."""
+    assert_same_state(opt, ref, seed)
+    assert all(same_bits(a, b) for a, b in zip(opt.losses, ref.losses)), f"losses (seed {seed})"
+    if ref.clip is not None:
+        assert all(same_bits(a.reshape(()), b.reshape(())) for a, b in zip(opt.norms, ref.norms)), \
+            f"clip norms (seed {seed})"
+
+
 def assert_same_state(opt: AccumulatingOptimizer, ref: Reference, seed: int) -> None:
     for i, (p, q) in enumerate(zip(opt.optimizer.param_groups[0]["params"], ref.params)):
         assert same_bits(p, q), f"param {i} differs (seed {seed})"
@@ -131,28 +144,49 @@ def assert_same_state(opt: AccumulatingOptimizer, ref: Reference, seed: int) -> 
         assert sorted(mine) == sorted(theirs), (i, sorted(mine), sorted(theirs))
         for key, value in theirs.items():
             assert same_bits(mine[key], value), f"state {key!r} of param {i} (seed {seed})"
-    for m, rm in zip(opt.master_params, [m for m, p in zip(ref.masters, ref.params)
-                                         if m is not p]):
+    theirs = [m for m, p in zip(ref.masters, ref.params) if m is not p and p.requires_grad]
+    assert len(opt.master_params) == len(theirs)  # (a frozen param is not managed: no master)
+    for m, rm in zip(opt.master_params, theirs):
         assert same_bits(m, rm), f"master differs (seed {seed})"
 
 
 def train(kind: str, dtype: torch.dtype, seed: int, *, reduction: str = "sum",
           clip: float | None = None, mixed: bool = False, writes=None, windows: int = 3,
-          **kw):
+          frozen: bool = False, zero_grad_each: bool = False, **kw):
+    """The same loop on the wrapper and on the reference; returns both and, per window, the
+    losses and clip norms of each (``opt.losses``/``ref.losses``, ``opt.norms``/``ref.norms``).
+    ``frozen``: the first layer's bias frozen; ``zero_grad_each``: N given, ``opt.step()``
+    after every backward and ``model.zero_grad()`` (not the optimizer's) after each window;
+    ``writes(model, w)`` after each window's step."""
     model = make_model(dtype, seed, mixed=mixed)
     ref = Reference(make_model(dtype, seed, mixed=mixed), kind, reduction, clip, **kw)
+    if frozen:
+        model[0].bias.requires_grad_(False)
+        ref.model[0].bias.requires_grad_(False)
+        ref.params[1].requires_grad_(False)
     # accumulation_steps=None (the Trainer's recipe): "mean" divides at the step, folded into
     # the fused step's grad_scale (with N declared the 1/N would be fused into accumulation)
     opt = AccumulatingOptimizer(inner_of(kind, model.parameters(), **kw), reduction=reduction,
-                                max_grad_norm=clip)
+                                max_grad_norm=clip,
+                                accumulation_steps=N if zero_grad_each else None)
+    opt.losses, opt.norms, ref.losses = [], [], []
     gen = torch.Generator().manual_seed(seed)
     for w in range(windows):
         for _ in range(N):
             x = torch.randn(4, 13, generator=gen)
-            loss_of(model, x).backward()
+            loss = loss_of(model, x)
+            loss.backward()
+            opt.losses.append(loss.detach())
+            ref.losses.append(loss_of(ref.model, x).detach())
             ref.backward(x)
-        opt.step()
-        opt.zero_grad()
+            if zero_grad_each:
+                opt.step()  # every micro-batch (Accelerate-style): a no-op until N are in
+        if zero_grad_each:
+            model.zero_grad()  # the model's, not the optimizer's, after the window's step
+        else:
+            opt.step()
+            opt.zero_grad()
+        opt.norms.append(opt.last_grad_norm)
         ref.step()
         if writes is not None:
             writes(model, w)
@@ -174,7 +208,7 @@ def test_fused_master_step_equals_torch_on_fp32_masters(kind, dtype, reduction, 
     monkeypatch.setattr(fused_master, "step", lambda *a, **k: (calls.append(1), real(*a, **k)))
     opt, ref = train(kind, dtype, seed, reduction=reduction, clip=clip)
     assert len(calls) == 3, "the fused master step did not run"
-    assert_same_state(opt, ref, seed)
+    assert_same_run(opt, ref, seed)
 
 
 def _write_every_way(model: torch.nn.Module, window: int) -> None:
@@ -198,7 +232,7 @@ def _write_every_way(model: torch.nn.Module, window: int) -> None:
 @pytest.mark.parametrize("kind", ["adamw", "sgd_momentum"])
 def test_weights_written_between_steps_are_taken_in(kind, dtype, seed):
     opt, ref = train(kind, dtype, seed, writes=_write_every_way, windows=4)
-    assert_same_state(opt, ref, seed)  # a reverted write leaves the masters apart
+    assert_same_run(opt, ref, seed)  # a reverted write leaves the masters apart
     # the last window's writes came after its step: the model shows them until the next step
     assert float(opt.optimizer.param_groups[0]["params"][2].detach().view(-1)[3]) == 3.0
 
@@ -208,7 +242,58 @@ def test_params_without_masters_in_the_same_group(kind, seed):
     """A bf16 model with an fp32 LayerNorm: the masters go through the fused op, the fp32
     params through torch's own step, in the same group."""
     opt, ref = train(kind, torch.bfloat16, seed, reduction="mean", clip=0.05, mixed=True)
-    assert_same_state(opt, ref, seed)
+    assert_same_run(opt, ref, seed)
+
+
+def _share_memory(model: torch.nn.Module, window: int) -> None:
+    if window == 0:
+        model.share_memory()  # new storages for every weight (the masters keep the values)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd_momentum"])
+@pytest.mark.parametrize("hands", ["frozen", "zero_grad_each", "share_memory"])
+def test_what_users_do_behind_the_optimizer(kind, hands, seed, monkeypatch):
+    """A frozen param (no master gradient: torch skips it), ``opt.step()`` every micro-batch
+    with N given and ``model.zero_grad()`` after each window, ``model.share_memory()`` between
+    windows (the weights move to new storages): the fused master step still equals the
+    reference, losses and norms included."""
+    calls = []
+    real = fused_master.step
+    monkeypatch.setattr(fused_master, "step", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    opt, ref = train(kind, torch.bfloat16, seed, reduction="sum", clip=0.05,
+                     frozen=hands == "frozen", zero_grad_each=hands == "zero_grad_each",
+                     writes=_share_memory if hands == "share_memory" else None)
+    assert len(calls) == 3
+    assert_same_run(opt, ref, seed)
+    if hands == "share_memory":
+        assert all(p.is_shared() for p in opt.optimizer.param_groups[0]["params"])
+
+
+FRESH_PROCESS = r"""
+import sys, torch
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import accelerate, transformers  # another framework first, with its global state
+accelerate.Accelerator(cpu=True)
+transformers.set_seed(1)
+import test_fused_master as t
+opt, ref = t.train("adamw", torch.bfloat16, int(sys.argv[3]), reduction="mean", clip=0.05)
+t.assert_same_run(opt, ref, int(sys.argv[3]))
+print("same run")
+"""
+
+
+def test_fresh_process_after_another_framework(seed):
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+    if importlib.util.find_spec("accelerate") is None or \
+            importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs accelerate and transformers")
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(here), str(here.parent),
+                           str(seed)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "same run" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("flag", ["foreach", "plain"])
