@@ -96,7 +96,7 @@ def _launch(host: bool, algo: int, flags: int, rows: list, masters, weights, sca
 
 def _adam(host, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
           *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
-          found_inf, write_grad, arithmetic):
+          found_inf, write_grad, arithmetic=None):
     c = _c()
     arith = arithmetic or adam_arithmetic()
     if arith not in ("fp32", "fp64"):
@@ -126,45 +126,30 @@ def _sgd(host, masters, weights, grads, momentum_buffers, *, lr, momentum, dampe
             found_inf)
 
 
-def adam(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
-         lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw,
-         grad_scale, found_inf, write_grad, arithmetic: str | None = None) -> None:
-    """Fused master Adam/AdamW step on CUDA tensors (already-checked lists, one device).
-    ``arithmetic``: the torch kernel form to reproduce (None: the installed torch's)."""
-    _adam(False, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-          lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
-          maximize=maximize, adamw=adamw, grad_scale=grad_scale, found_inf=found_inf,
-          write_grad=write_grad, arithmetic=arithmetic)
+def adam(*lists, **kw) -> None:
+    """Fused master Adam/AdamW step on CUDA tensors (already-checked lists, one device): the
+    contract's ``adam(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+    state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
+    found_inf, write_grad)``, plus ``arithmetic``: the torch kernel form to reproduce (None: the
+    installed torch's)."""
+    _adam(False, *lists, **kw)
 
 
-def sgd(masters, weights, grads, momentum_buffers, *,
-        lr, momentum, dampening, weight_decay, nesterov, maximize, is_first_step,
-        grad_scale, found_inf, write_grad) -> None:
-    """Fused master SGD step on CUDA tensors (already-checked lists, one device)."""
-    _sgd(False, masters, weights, grads, momentum_buffers, lr=lr, momentum=momentum,
-         dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-         is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf,
-         write_grad=write_grad)
+def sgd(*lists, **kw) -> None:
+    """Fused master SGD step on CUDA tensors (already-checked lists, one device): the
+    contract's ``sgd(masters, weights, grads, momentum_buffers, *, lr, momentum, dampening,
+    weight_decay, nesterov, maximize, is_first_step, grad_scale, found_inf, write_grad)``."""
+    _sgd(False, *lists, **kw)
 
 
-def adam_host(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
-              lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw,
-              grad_scale, found_inf, write_grad, arithmetic: str | None = None) -> None:
+def adam_host(*lists, **kw) -> None:
     """``adam``'s CUDA kernel played on the CPU, on CPU tensors (tests)."""
-    _adam(True, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-          lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
-          maximize=maximize, adamw=adamw, grad_scale=grad_scale, found_inf=found_inf,
-          write_grad=write_grad, arithmetic=arithmetic)
+    _adam(True, *lists, **kw)
 
 
-def sgd_host(masters, weights, grads, momentum_buffers, *,
-             lr, momentum, dampening, weight_decay, nesterov, maximize, is_first_step,
-             grad_scale, found_inf, write_grad) -> None:
+def sgd_host(*lists, **kw) -> None:
     """``sgd``'s CUDA kernel played on the CPU, on CPU tensors (tests)."""
-    _sgd(True, masters, weights, grads, momentum_buffers, lr=lr, momentum=momentum,
-         dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-         is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf,
-         write_grad=write_grad)
+    _sgd(True, *lists, **kw)
 
 
 def configure_host(sm_count: int = 132, capturing: bool = False) -> None:
