@@ -186,6 +186,18 @@ def window(cfg: Config, model, opt, row: str, rank: int, w: int, after=None, mod
     opt.zero_grad()
 
 
+def grad_bytes(model) -> int:
+    """``live_bytes`` after a backward, with every FSDP2 unit resharded first: an all-gathered
+    bf16 weight FSDP2 has not yet freed (it may keep one past the backward, timing-dependent on
+    gloo) is no gradient memory, in any row."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return live_bytes()
+
+
 def memory_row(cfg: Config, mesh, row: str, rank: int) -> dict:
     """Live bytes at the boundary, after each backward, and the window's peak; row alone."""
     from benchmarks.accumbench.tally import LiveTensorBytes
@@ -194,7 +206,7 @@ def memory_row(cfg: Config, mesh, row: str, rank: int) -> dict:
     window(cfg, model, opt, row, rank, 0)  # AdamW state exists from here on
     held = live_bytes()
     after: list[int] = []
-    window(cfg, model, opt, row, rank, 1, after=lambda i: after.append(live_bytes()))
+    window(cfg, model, opt, row, rank, 1, after=lambda i: after.append(grad_bytes(model)))
     mode = LiveTensorBytes()
     window(cfg, model, opt, row, rank, 2, mode=mode)
     del model, opt
