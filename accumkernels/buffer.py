@@ -38,7 +38,7 @@ class Bucket:
         plan = self._plans.get(backend)
         if plan is None:
             plan = LaunchPlan(self.views, keys=self.params, owner=self.flat, backend=backend,
-                              norm_slots=self.norm_slots, norm_size=self.norm_size)
+                              norm_slots=self.norm_slots, norm_size=self.norm_size, reorder=True)
             self._plans[backend] = plan
         return plan
 
@@ -49,6 +49,13 @@ class MasterGradBuffer:
     ``view(p)`` (also set as ``p.main_grad``, Megatron's convention) is p's slice of the buffer.
     Params are laid out in reverse registration order (close to the order backward produces
     their gradients) and grouped into buckets of about ``bucket_size_mb``.
+
+    Each view has its param's memory layout, as autograd lays out a ``.grad`` (its "layout
+    contract"): a dense param's strides (``channels_last``, a transpose), row-major for any
+    other param. So a view pairs with its param element by element in memory order too, which
+    is how torch's fused optimizers pair a param with its ``.grad``. A gradient in another
+    layout is copied into the view's before a launch; :meth:`relayout` follows a param whose
+    layout changed (``p.data = p.data.t()``).
     """
 
     def __init__(
@@ -117,7 +124,10 @@ class MasterGradBuffer:
         bucket = Bucket(len(self.buckets), device, [], [], flat[start:end],
                         norm_size=len(self.params))
         for p, off in members:
+            strides = grad_strides(p)
             view = flat[off:off + p.numel()].view(p.shape)
+            if view.stride() != strides:
+                view = flat.as_strided(p.shape, strides, flat.storage_offset() + off)
             bucket.params.append(p)
             bucket.views.append(view)
             bucket.norm_slots.append(self._norm_slot[id(p)])
@@ -125,6 +135,20 @@ class MasterGradBuffer:
             self._bucket_of[id(p)] = bucket
             p.main_grad = view
         self.buckets.append(bucket)
+
+    @torch.no_grad()
+    def relayout(self, p: torch.Tensor) -> bool:
+        """Give ``view(p)`` (the same tensor object) p's current layout, keeping its values
+        (element by element); False if it had it. The launch plans of its bucket are rebuilt."""
+        view = self.view(p)
+        strides = grad_strides(p)
+        if view.stride() == strides:
+            return False
+        held = view.clone()
+        view.as_strided_(p.shape, strides, view.storage_offset())
+        view.copy_(held)
+        self._bucket_of[id(p)]._plans.clear()
+        return True
 
     def view(self, p: torch.Tensor) -> torch.Tensor:
         """p's fp32 master gradient: a view into the flat buffer."""
@@ -180,6 +204,7 @@ class MasterGradBuffer:
                 except KeyError:  # not all in this bucket: nothing was written
                     pass
         views = [self.view(p) for p in params]
+        grads = [validate.in_layout_of(v, g) for v, g in zip(views, grads)]
         if norm_sq is None:
             accumulate_(views, grads, scale, overwrite=overwrite, found_inf=found_inf,
                         backend=backend)
@@ -196,3 +221,15 @@ class MasterGradBuffer:
         except KeyError:
             raise KeyError("MasterGradBuffer.norm_index: this tensor is not managed by the "
                            "buffer") from None
+
+
+def grad_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """The strides autograd gives p's ``.grad``: p's own for a dense p (any dimension order),
+    row-major otherwise (torch's gradient layout contract)."""
+    if not p.is_contiguous() and validate.is_dense(p):
+        return tuple(p.stride())
+    strides, step = [], 1
+    for size in reversed(p.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -138,7 +138,9 @@ def accumulate_(
     """In place, in fp32: ``dst[i] = (0 if overwrite else dst[i]) + scale * float32(src[i])``.
 
     One fused launch for the whole list (per src dtype on Triton). ``scale`` is a real number or
-    a 1-element float32 tensor on the device (read by the kernel: no host sync). ``found_inf``,
+    a 1-element float32 tensor on the device (read by the kernel: no host sync). Each ``dst[i]``
+    is dense in any dimension order (contiguous, ``channels_last``, a transpose) and ``src[i]``
+    has its layout (equal strides): elements pair in memory order. ``found_inf``,
     if given, is a 1-element float32 tensor set to 1.0 when any written ``dst`` element is
     inf/NaN: a non-finite ``src`` element, or a sum that overflowed fp32 (never reset; ``dst`` is
     written all the same). ``norm_sq``, if given, is a contiguous float32 tensor of ``len(dst)``
@@ -247,6 +249,13 @@ def _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, device, n
     if native.READER and norm_slots is None:
         failed = native.run(dst, src, scale, scale_tensor, overwrite, found_inf, flags, backend,
                             device, norm_sq)
+        if failed is not None and failed[0] == "pair":
+            # The reader takes contiguous pairs only: other dense pairs of one layout go as
+            # 1-D views in memory order (elementwise, so the same sums); others raise here.
+            flat = validate.in_memory_order(dst, src)
+            if flat is not None:
+                failed = native.run(*flat, scale, scale_tensor, overwrite, found_inf, flags,
+                                    backend, device, norm_sq)
         if failed is None:
             if backend not in native.KERNELS:  # checked and bumped; the backend computes
                 _compute(dst, src, scale, scale_tensor, overwrite, found_inf, backend, norm_sq)

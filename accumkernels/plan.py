@@ -44,6 +44,10 @@ class LaunchPlan:
     valid). Without the extension's tensor reader, or for backends other than ``cpu``/``cuda``,
     a launch is a plain ``accumulate_``.
 
+    A dst may have any dense layout (see ``accumulate_``); its src must share it, or, in a plan
+    built with ``reorder=True``, is first copied into it (exact: a gradient whose strides are
+    not its param's, e.g. after ``p.data = p.data.t()``).
+
     A launch's ``norm_sq`` (optional, see ``accumulate_``) is a float32 vector of ``norm_size``
     elements (default: one per dst); the squared norm of ``dst[i]`` goes to element
     ``norm_slots[i]`` (default: ``i``), and a launch writes only the elements of the dst it
@@ -52,7 +56,8 @@ class LaunchPlan:
 
     def __init__(self, dst: Sequence[torch.Tensor], *, keys: Sequence | None = None,
                  owner: torch.Tensor | None = None, backend: str = "auto",
-                 norm_slots: Sequence[int] | None = None, norm_size: int | None = None):
+                 norm_slots: Sequence[int] | None = None, norm_size: int | None = None,
+                 reorder: bool = False):
         dst = list(_as_list("dst", dst))
         _check_backend(backend)
         self.norm_slots, self.norm_size = _plan_norm_slots(len(dst), norm_slots, norm_size)
@@ -66,7 +71,10 @@ class LaunchPlan:
         if owner is None and dst and dst[0]._base is not None \
                 and all(d._base is dst[0]._base for d in dst):
             owner = dst[0]._base  # views of one tensor share its version counter
-        self.dst, self.keys, self.owner = dst, keys, owner
+        self.dst, self.keys, self.owner, self.reorder = dst, keys, owner, reorder
+        # Non-contiguous dst: the C++ plan holds them as 1-D views in memory order (their src
+        # go the same way at each launch).
+        self._bent = frozenset(i for i, d in enumerate(dst) if not d.is_contiguous())
         self.device = dst[0].device if dst else torch.device("cpu")
         self.backend = backends.resolve(backend, self.device)
         self._slot_of: dict[int, int] | None = None
@@ -74,7 +82,8 @@ class LaunchPlan:
         if native.READER and self.backend in native.KERNELS and dst:
             inference = owner.is_inference() if owner is not None else any(
                 d.is_inference() for d in dst)
-            plan = native.make_plan(dst, keys, owner, inference,
+            flat = [validate.flat(d) if i in self._bent else d for i, d in enumerate(dst)]
+            plan = native.make_plan(flat, keys, owner, inference,
                                     None if norm_slots is None else self.norm_slots,
                                     self.norm_size)
             if isinstance(plan, tuple):
@@ -100,8 +109,15 @@ class LaunchPlan:
         if keys is None and len(src) != len(self.dst):
             fail(ValueError, f"dst has {len(self.dst)} tensors but src has {len(src)}")
         if self._native is not None and _plain_eager():
-            failed = native.run_plan(self._native, keys, src, value, scale_tensor, overwrite,
+            given = self._native_src(keys, src) if self._bent else src
+            failed = native.run_plan(self._native, keys, given, value, scale_tensor, overwrite,
                                      found_inf, _flags(), self.backend, self.device, norm_sq)
+            if failed is not None and failed[0] == "pair" and not self._bent:
+                given = self._native_src(keys, src)  # a src in another layout
+                if given is not src:
+                    failed = native.run_plan(self._native, keys, given, value, scale_tensor,
+                                             overwrite, found_inf, _flags(), self.backend,
+                                             self.device, norm_sq)
             if failed is None:
                 return
             if failed[0] == "plan_stale":
@@ -109,6 +125,9 @@ class LaunchPlan:
             if failed[0] not in ("slow", "not_member"):
                 validate.raise_failure(failed, self._select(keys), src, scale_tensor, found_inf,
                                        norm_sq, self.norm_size)
+        if self.reorder:
+            dst = self._select(keys)
+            src = [validate.in_layout_of(d, x) for d, x in zip(dst, src)]
         if norm_sq is None:
             accumulate_(self._select(keys), src, scale, overwrite=overwrite, found_inf=found_inf,
                         backend=self.backend)
@@ -118,6 +137,24 @@ class LaunchPlan:
             validate.check_norm_sq(norm_sq, self.norm_size, self.device)
         _accumulate_slots([self.dst[i] for i in positions], src, scale, overwrite, found_inf,
                           norm_sq, [self.norm_slots[i] for i in positions], self.backend)
+
+    def _native_src(self, keys: Sequence | None, src: Sequence) -> Sequence:
+        """``src`` as the C++ plan takes it: in its dst's layout (``reorder``) and, for a
+        non-contiguous dst, as a 1-D view in memory order; ``src`` itself if nothing changes.
+        A src that cannot be paired with its dst is left for the checks to name."""
+        out = None
+        for k, i in enumerate(self._positions(keys)):
+            d, x = self.dst[i], src[k]
+            if i not in self._bent and (not isinstance(x, torch.Tensor) or x.is_contiguous()):
+                continue
+            if self.reorder:
+                x = validate.in_layout_of(d, x)
+            if i in self._bent and isinstance(x, torch.Tensor) and validate.same_layout(d, x):
+                x = validate.flat(x)
+            if x is not src[k]:
+                out = list(src) if out is None else out
+                out[k] = x
+        return src if out is None else out
 
     def _raise_stale(self, failed: tuple) -> None:
         """A dst moved since the plan read it and, read again, breaks a rule: nothing written."""

@@ -51,10 +51,78 @@ def _pairs_ok(dst: list, src: list, device: torch.device) -> bool:
         and all(d.dtype is f32 for d in dst) and all(x.dtype in SRC_DTYPES for x in src)
         and all(d.shape == x.shape for d, x in zip(dst, src))
         and all(d.device == device for d in dst) and all(x.device == device for x in src)
-        and all(d.is_contiguous() for d in dst) and all(x.is_contiguous() for x in src)
+        and all(d.is_contiguous() or _dense(d) for d in dst)
+        and all((x.is_contiguous() and d.is_contiguous()) or same_layout(d, x)
+                for d, x in zip(dst, src))
         and (_is_compiling() or not (any(d.is_neg() for d in dst)
                                      or any(x.is_neg() for x in src)))
     )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory span once, in some dimension order (torch's
+    "non-overlapping and dense": contiguous, ``channels_last``, a transpose, ...)."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    if any(sz == 0 for _, sz in dims):
+        return True
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+is_dense = _dense
+
+
+def same_layout(d: torch.Tensor, x: torch.Tensor) -> bool:
+    """Both dense, of one shape, with equal strides over the dimensions of size > 1: element k
+    of one's memory is element k of the other's, so a pass in memory order pairs them."""
+    if d.shape != x.shape or not (_dense(d) and _dense(x)):
+        return False
+    if d.stride() == x.stride() or d.numel() == 0:
+        return True
+    return all(sz == 1 or a == b for sz, a, b in zip(d.shape, d.stride(), x.stride()))
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements as a 1-D view in memory order."""
+    return t if t.dim() == 1 and t.is_contiguous() else t.as_strided((t.numel(),), (1,))
+
+
+def in_memory_order(dst: list, src: list) -> tuple[list, list] | None:
+    """(dst, src) with every pair that is not contiguous given as 1-D views in memory order,
+    for the C++ reader (it takes contiguous tensors only); None if no pair needs it. Pairs are
+    checked first (:func:`check_pair`: dense, one layout). The views share their tensors'
+    memory and version counters."""
+    bent = [i for i, (d, x) in enumerate(zip(dst, src))
+            if isinstance(d, torch.Tensor) and isinstance(x, torch.Tensor)
+            and not (d.is_contiguous() and x.is_contiguous())]
+    if not bent:
+        return None
+    device = dst[0].device if isinstance(dst[0], torch.Tensor) else None
+    dst, src = list(dst), list(src)
+    for i in bent:
+        check_pair(i, dst[i], src[i], device)
+        dst[i], src[i] = flat(dst[i]), flat(src[i])
+    return dst, src
+
+
+def in_layout_of(d: torch.Tensor, x: object) -> object:
+    """``x`` with ``d``'s layout: itself when it has it (or cannot be paired with ``d`` at all:
+    the checks then say why), else a copy in ``d``'s strides (a reorder, exact)."""
+    if not isinstance(x, torch.Tensor) or x.stride() == d.stride() or x.shape != d.shape \
+            or x.layout is not torch.strided or x.device != d.device or same_layout(d, x) \
+            or not _dense(d):
+        return x
+    return torch.empty_strided(d.shape, d.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
+def _layout(t: torch.Tensor) -> str:
+    return f"strides {tuple(t.stride())}"
 
 
 def _check_dense(names: tuple, tensors: tuple) -> None:
@@ -85,10 +153,18 @@ def check_pair(i: int, d: object, x: object, device: torch.device | None) -> Non
              "all tensors of one call must be on one device")
     if x.device != device:
         fail(ValueError, f"src[{i}] is on {x.device} but dst[{i}] is on {device}")
-    if not d.is_contiguous():
-        fail(ValueError, f"dst[{i}] is not contiguous")
-    if not x.is_contiguous():
-        fail(ValueError, f"src[{i}] is not contiguous")
+    if not _dense(d):
+        fail(ValueError, f"dst[{i}] is not dense ({_layout(d)} for shape {tuple(d.shape)}: its "
+             "elements overlap or leave gaps in memory); accumulate_ writes dense tensors, in "
+             "any dimension order (contiguous, channels_last, transposed)")
+    if not _dense(x):
+        fail(ValueError, f"src[{i}] is not dense ({_layout(x)} for shape {tuple(x.shape)}: its "
+             f"elements overlap or leave gaps in memory); pass src[{i}].contiguous()")
+    if not same_layout(d, x):
+        fail(ValueError, f"src[{i}] has {_layout(x)} but dst[{i}] has {_layout(d)}: "
+             "accumulate_ pairs the elements of a dst and its src in memory order, so both "
+             "need one layout; pass the src in its dst's layout (torch.empty_like(dst[i], "
+             "dtype=src[i].dtype).copy_(src[i]))")
     if _neg(d):
         fail(ValueError, f"dst[{i}] {_NEG}")
     if _neg(x):
@@ -103,8 +179,10 @@ def check_dst(i: int, d: object, device: torch.device | None) -> None:
     if device is not None and d.device != device:
         fail(ValueError, f"dst[{i}] is on {d.device} but dst[0] is on {device}; "
              "all tensors of one call must be on one device")
-    if not d.is_contiguous():
-        fail(ValueError, f"dst[{i}] is not contiguous")
+    if not _dense(d):
+        fail(ValueError, f"dst[{i}] is not dense ({_layout(d)} for shape {tuple(d.shape)}: its "
+             "elements overlap or leave gaps in memory); accumulate_ writes dense tensors, in "
+             "any dimension order (contiguous, channels_last, transposed)")
     if _neg(d):
         fail(ValueError, f"dst[{i}] {_NEG}")
 
