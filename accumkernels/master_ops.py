@@ -6,8 +6,10 @@ ValueError naming the pair, nothing written), then dispatch each pair once:
 
 * on the CPU, contiguous pairs: one native pass per dtype (csrc, raw pointers, no temporaries);
 * on a GPU with Triton, contiguous pairs: one launch per device and dtype (re-sync only);
-* every other pair (no extension, a strided view, a neg-bit weight, another device): torch ops,
-  the readable definition of both.
+* every other pair (no extension, another device): torch ops, the readable definition of both.
+
+Pairs that are not contiguous go as layouts.py says: in memory order when both share one dense
+layout, else through exact copies.
 
 Neither records anything about what it wrote: the re-sync compares every pair exactly each
 time (a user may write a weight through ``.data``, numpy or its storage, which bumps no version
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from accumkernels import layouts
 from accumkernels._util import LOW_PRECISION
 from accumkernels.backends import native
 from accumkernels.backends import triton as triton_backend
@@ -33,6 +36,8 @@ def resync_masters_(masters: Sequence[torch.Tensor], weights: Sequence[torch.Ten
     masters[i])``, elementwise (NaN differs): the weights a user changed are taken in, the
     others keep the master's extra bits. Reads 6 B per element, writes only what differs."""
     masters, weights = _check_pairs("resync_masters_", masters, weights)
+    (masters, weights), back = layouts.in_memory_order([list(masters), list(weights)],
+                                                       [True, False])
     rest = range(len(masters))
     if native.resync_masters_cpu is not None:
         rest = _resync_native(masters, weights, rest)
@@ -41,6 +46,7 @@ def resync_masters_(masters: Sequence[torch.Tensor], weights: Sequence[torch.Ten
         m, w = masters[i], weights[i]
         changed = w.ne(m.to(w.dtype))
         torch.where(changed, w.float(), m, out=m)
+    layouts.write_back(back)
 
 
 @torch.no_grad()
@@ -49,18 +55,20 @@ def copy_back_(masters: Sequence[torch.Tensor], weights: Sequence[torch.Tensor])
     cast (round to nearest even). The native pass bumps each weight's version counter, as
     torch's own copy does."""
     masters, weights = _check_pairs("copy_back_", masters, weights)
+    (masters, weights), back = layouts.in_memory_order([list(masters), list(weights)],
+                                                       [False, True])
     rest = range(len(masters))
     if native.copy_back_cpu is not None:
         rest = _copy_back_native(masters, weights, rest)
     if rest:
         torch._foreach_copy_([weights[i] for i in rest], [masters[i] for i in rest])
+    layouts.write_back(back)
 
 
 def _check_pairs(op: str, masters: object, weights: object
                  ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
     """Both lists, checked: pair i is a float32 master and a bf16/fp16 weight of one shape on
-    one device (pairs may sit on different devices). Any strides are accepted: a pair that is
-    not contiguous takes the torch ops."""
+    one device (pairs may sit on different devices). Any strides are accepted (layouts.py)."""
     for name, tensors in (("masters", masters), ("weights", weights)):
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
             raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got "

@@ -19,7 +19,8 @@ Adam's ``state_steps`` (fp32 scalar tensors) are incremented before the update a
 Backends, per device: ``"cpu"`` (csrc/master_step_cpu.cpp: AVX-512 or AVX2 picked at run time,
 a portable fallback, threaded), ``"cuda"`` (csrc/master_step_kernel.h, one launch per weight dtype), ``"triton"``,
 ``"torch"`` (backends/master_step_ref.py, the readable definition); ``"auto"`` picks the first
-available of cpu/cuda, triton, torch. Tensors that are not contiguous take ``"torch"``. Every
+available of cpu/cuda, triton, torch. Every stride pattern takes the kernels (layouts.py): tensors
+that share a dense layout in memory order, others through exact copies. Every
 argument is checked first (TypeError/ValueError naming the offending index; nothing written).
 Under torch.compile, FakeTensorMode and functorch the call goes through the custom ops
 ``torch.ops.accumkernels.master_adam_step_`` / ``master_sgd_step_``, whose schemas declare what
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 import torch
 
 import accumkernels.master_step_checks as checks
+from accumkernels import layouts
 from accumkernels.backends import master_step_cpu, master_step_ref
 
 try:  # the other device backends are optional: without them their routes are unavailable
@@ -218,6 +220,25 @@ def _adam_impl(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, 
                lr_tensor, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
                found_inf, write_grad, backend) -> None:
     op = "master_adam_step_"
+    rows, back = layouts.in_memory_order(
+        [masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []],
+        [True, True, write_grad and grad_scale is not None, True, True, True])
+    if back:  # copies hide shared memory from the kernels: check the tensors given
+        checks.check_no_overlap(op, dict(zip(_ADAM_LISTS, (
+            masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps))))
+    masters, weights, grads, exp_avgs, exp_avg_sqs = rows[:5]
+    max_exp_avg_sqs = rows[5] if amsgrad else max_exp_avg_sqs
+    _adam_lists(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr,
+                lr_tensor, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
+                found_inf, write_grad, backend)
+    layouts.write_back(back)
+
+
+def _adam_lists(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr,
+                lr_tensor, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
+                found_inf, write_grad, backend) -> None:
+    """``_adam_impl`` on lists the kernels take as they are (see layouts.py)."""
+    op = "master_adam_step_"
     lists = (masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
     state = (exp_avgs, exp_avg_sqs) + ((max_exp_avg_sqs,) if amsgrad else ())
     plan = _plan(backend, masters, weights, grads, state)
@@ -249,6 +270,14 @@ def _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum
               backend) -> None:
     op = "master_sgd_step_"
     has_buf = momentum != 0
+    rows, back = layouts.in_memory_order(
+        [masters, weights, grads, momentum_buffers if has_buf else []],
+        [True, True, write_grad and grad_scale is not None, True])
+    if back:  # copies hide shared memory from the kernels: check the tensors given
+        checks.check_no_overlap(op, dict(zip(_SGD_LISTS, (masters, weights, grads,
+                                                          momentum_buffers))))
+    masters, weights, grads = rows[:3]
+    momentum_buffers = rows[3] if has_buf else momentum_buffers
     lists = (masters, weights, grads, momentum_buffers)
     plan = _plan(backend, masters, weights, grads, (momentum_buffers,) if has_buf else ())
     if len(plan) > 1 or plan[0][1] != "cpu":
@@ -266,6 +295,7 @@ def _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum
             _bump(sub, bufs, gs is not None and write_grad)
         else:
             _backend_fn(name, "sgd")(*sub, bufs, **kw)
+    layouts.write_back(back)
 
 
 def _plan(backend, masters, weights, grads, state) -> list[tuple[torch.device, str, list[int]]]:

@@ -112,11 +112,11 @@ def in_memory_order(dst: list, src: list) -> tuple[list, list] | None:
 
 
 def in_layout_of(d: torch.Tensor, x: object) -> object:
-    """``x`` with ``d``'s layout: itself when it has it (or cannot be paired with ``d`` at all:
-    the checks then say why), else a copy in ``d``'s strides (a reorder, exact)."""
+    """``x`` with ``d``'s layout: itself when it has it (or is not dense, or cannot be paired
+    with ``d`` at all: the checks then say why), else a copy in ``d``'s strides (exact)."""
     if not isinstance(x, torch.Tensor) or x.stride() == d.stride() or x.shape != d.shape \
             or x.layout is not torch.strided or x.device != d.device or same_layout(d, x) \
-            or not _dense(d):
+            or not (_dense(d) and _dense(x)):
         return x
     return torch.empty_strided(d.shape, d.stride(), dtype=x.dtype, device=x.device).copy_(x)
 

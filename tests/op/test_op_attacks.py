@@ -348,7 +348,7 @@ def test_plan_and_public_call_agree_on_bad_grads(reader):
         (lambda g: g.__setitem__(1, g[1].t()), ValueError, r"src\[1\] has shape"),
         (lambda g: g.__setitem__(0, g[0].double()), TypeError, r"src\[0\] has dtype"),
         (lambda g: g.__setitem__(2, rand(34, torch.bfloat16)[::2]), ValueError,
-         r"src\[2\] is not contiguous"),
+         r"src\[2\] is not dense"),
         (lambda g: g.__setitem__(2, g[2].to("meta")), ValueError, r"src\[2\] is on meta"),
     ]
     for mutate, exc, match in cases:

@@ -31,12 +31,20 @@ CASES = {
     "dst_bf16": (lambda d, s: d.__setitem__(1, d[1].bfloat16()), TypeError, "dst[1] has dtype"),
     "src_int": (lambda d, s: s.__setitem__(2, s[2].int()), TypeError, "src[2] has dtype"),
     "src_fp64": (lambda d, s: s.__setitem__(2, s[2].double()), TypeError, "src[2] has dtype"),
-    "src_noncontig": (
+    "src_layout": (
         lambda d, s: (d.__setitem__(3, torch.randn(3, 11)), s.__setitem__(3, _transposed(s[3]))),
-        ValueError, "src[3] is not contiguous"),
-    "dst_noncontig": (
+        ValueError, "src[3] has strides"),
+    "dst_layout": (
         lambda d, s: (d.__setitem__(2, _transposed(d[2])), s.__setitem__(2, s[2].reshape(3, 11))),
-        ValueError, "dst[2] is not contiguous"),
+        ValueError, "src[2] has strides"),
+    "dst_gaps": (
+        lambda d, s: (d.__setitem__(2, torch.zeros(3, 22)[:, ::2]),
+                      s.__setitem__(2, s[2].reshape(3, 11))),
+        ValueError, "dst[2] is not dense"),
+    "src_gaps": (
+        lambda d, s: (d.__setitem__(3, torch.randn(3, 11)),
+                      s.__setitem__(3, torch.randn(3, 22, dtype=s[3].dtype)[:, ::2])),
+        ValueError, "src[3] is not dense"),
     "src_sparse": (_sparse, TypeError, "src[2] is sparse"),
     "src_device": (lambda d, s: s.__setitem__(1, s[1].to("meta")), ValueError, "src[1] is on meta"),
     "dst_device": (
