@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from accumkernels.backends.validate import is_dense, same_layout
 from accumkernels.master_ops import resync_masters_
 from accumkernels.master_step import master_adam_step_, master_sgd_step_
 
@@ -118,9 +119,9 @@ def _adam(optimizer, group: dict, ms: list, weights: list, grads: list, common: 
                 s["max_exp_avg_sq"] = torch.zeros_like(q, memory_format=torch.preserve_format)
     beta1, beta2 = (float(b) if torch.is_tensor(b) else b for b in group["betas"])
     master_adam_step_(
-        ms, weights, grads, [state[q]["exp_avg"] for q in ms],
-        [state[q]["exp_avg_sq"] for q in ms],
-        [state[q]["max_exp_avg_sq"] for q in ms] if group["amsgrad"] else None,
+        ms, weights, _as_fused(grads, ms), _as_fused([state[q]["exp_avg"] for q in ms], ms),
+        _as_fused([state[q]["exp_avg_sq"] for q in ms], ms),
+        _as_fused([state[q]["max_exp_avg_sq"] for q in ms], ms) if group["amsgrad"] else None,
         [state[q]["step"] for q in ms], lr=group["lr"], beta1=beta1, beta2=beta2,
         weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"],
         maximize=group["maximize"],
@@ -138,10 +139,24 @@ def _sgd(optimizer, group: dict, ms: list, weights: list, grads: list, common: d
         first = all(b is None for b in buffers)
         if first:  # (torch's fused SGD: the buffers are created and set to the gradient)
             buffers = [torch.empty_like(g) for g in grads]
-    master_sgd_step_(ms, weights, grads, buffers, lr=group["lr"], momentum=momentum,
+    master_sgd_step_(ms, weights, _as_fused(grads, ms),
+                     buffers if first or buffers is None else _as_fused(buffers, ms),
+                     lr=group["lr"], momentum=momentum,
                      dampening=group["dampening"], weight_decay=group["weight_decay"],
                      nesterov=group["nesterov"], maximize=group["maximize"],
                      is_first_step=first, **common)
     if buffers is not None:
         for q, b in zip(ms, buffers):
             state[q]["momentum_buffer"] = b
+
+
+def _as_fused(tensors: list, ms: list) -> list:
+    """Each tensor as torch's fused kernels pair it with its master: by memory position (they
+    pass over raw memory). A dense tensor whose strides are not its master's (Adam state made
+    before ``p.data = p.data.t()``) is seen through its master's strides, as they see it."""
+    out = tensors
+    for i, (t, q) in enumerate(zip(tensors, ms)):
+        if t.stride() != q.stride() and not same_layout(q, t) and is_dense(t) and is_dense(q):
+            out = list(out) if out is tensors else out
+            out[i] = t.as_strided(q.shape, q.stride(), t.storage_offset())
+    return out

@@ -28,6 +28,9 @@ What a change means:
   it (:func:`follow_move`) before anything of the micro-batch lands: the window (with what it
   holds), the master weights and the inner optimizer's state move with the params, and the
   launch plans are rebuilt for the new storage (nothing is written through the old pointers);
+* a param whose layout changed (``p.data = p.data.t()``, ``model.to(memory_format=...)``
+  after wrapping): its view and master take the new layout (:meth:`Guard.relayout`), so the
+  kernels, the masters and the inner optimizer pair the same elements as natively;
 * a param whose dtype changed after the wrapper was built (``model.half()``): ``ValueError``,
   raised before anything of the micro-batch is counted or written.
 """
@@ -51,6 +54,8 @@ class Guard:
         self.offsets = [v.storage_offset() - self.flats[v.device].storage_offset()
                         for v in intake.views]
         self.shown = False  # the views were put in p.grad and not hidden by the wrapper since
+        self.strides = [p.stride() for p in intake.params]  # each param's layout, and where
+        self.places = [p.data_ptr() for p in intake.params]  # it lay when it was last seen
 
     # -- per gradient (hot path) ------------------------------------------------------------
     def before_grad(self, i: int, grad: torch.Tensor) -> None:
@@ -60,6 +65,8 @@ class Guard:
         if p.dtype is not self.dtypes[i] or p.device != self.devices[i]:
             self._changed(i)
             return  # a new guard (and buffer) checks from here on
+        if p.stride() != self.strides[i]:
+            self.relayout(i)
         if grad is not None and grad.layout is not torch.strided:
             raise ValueError(f"{self._name(i)} got a {grad.layout} gradient (e.g. "
                              "nn.Embedding(sparse=True)); the fp32 window holds dense gradients "
@@ -76,9 +83,24 @@ class Guard:
             if p.dtype is not self.dtypes[i] or p.device != self.devices[i]:
                 self._changed(i)
                 return
+            if p.stride() != self.strides[i]:
+                self.relayout(i)
         self.check_views()
         if self.shown:
             self.cleared_outside()
+
+    def relayout(self, i: int) -> None:
+        """Param i's layout changed (``p.data = p.data.t()``, ``.to(memory_format=...)``): its
+        view and master take the new one (``MasterGradBuffer.relayout``,
+        ``MasterWeights.relayout``), so each still pairs with p element by element in memory."""
+        intake = self.intake
+        p = intake.params[i]
+        same_memory = p.data_ptr() == self.places[i]
+        self.strides[i], self.places[i] = p.stride(), p.data_ptr()
+        relayout = getattr(intake.buffer, "relayout", None)  # (FSDP2 shards keep theirs)
+        if relayout is not None:
+            relayout(p)
+        intake.masters.relayout(p, same_memory)
 
     def check_views(self) -> None:
         """Views whose ``.data`` was swapped take their values back into the buffer."""

@@ -22,6 +22,8 @@ import contextlib
 import torch
 
 from accumkernels._util import LOW_PRECISION
+from accumkernels.backends.validate import is_dense
+from accumkernels.buffer import grad_strides
 from accumkernels.master_ops import copy_back_, resync_masters_
 
 
@@ -46,8 +48,10 @@ class MasterWeights:
         if wanted:
             self.optimizer._accumkernels_masters = True
         state = self.optimizer.state
-        for p in wanted:
-            self.masters[id(p)] = torch.nn.Parameter(p.detach().float().clone())
+        for p in wanted:  # in the layout of p's .grad (the window's view), which it pairs with
+            master = torch.empty_strided(p.shape, grad_strides(p), dtype=torch.float32,
+                                         device=p.device)
+            self.masters[id(p)] = torch.nn.Parameter(master.copy_(p.detach()))
             self.model_params.append(p)
             if p in state:
                 state[p] = {k: v.float() if torch.is_tensor(v) and v.dtype in LOW_PRECISION
@@ -77,6 +81,23 @@ class MasterWeights:
                 m = masters[id(p)]
                 if m in state:
                     state[p] = state.pop(m)
+
+    @torch.no_grad()
+    def relayout(self, p: torch.Tensor, same_memory: bool) -> None:
+        """p's layout changed (``p.data = p.data.t()``): its master takes it too, as the inner
+        optimizer would see p natively. If p still lies in the same memory (a re-striding),
+        each master element keeps its memory position, as p's elements kept theirs (its extra
+        bits stay with its weight); otherwise the master keeps its values element by element.
+        The next step's re-sync takes in whatever differs from p."""
+        m = self.masters.get(id(p))
+        strides = grad_strides(p)
+        if m is None or m.stride() == strides or m.shape != p.shape:
+            return
+        if same_memory and is_dense(m):
+            m.data = m.data.as_strided(p.shape, strides, m.storage_offset())
+        else:
+            fresh = torch.empty_strided(p.shape, strides, dtype=m.dtype, device=m.device)
+            m.data = fresh.copy_(m)
 
     def get(self, p: torch.Tensor) -> torch.nn.Parameter | None:
         return self.masters.get(id(p))
