@@ -162,7 +162,7 @@ def test_master_step_matches_torch_fused_on_the_same_strides(backend, perm, algo
     weights bit for bit torch's fused AdamW/SGD on fp32 params of the same strides, cast back."""
     if backend == "cpu" and "cpu" not in accumkernels.master_step.available_backends("cpu"):
         pytest.skip("accumkernels._C not built")
-    shape = (3, 37, 5, 3)  # 1665 elements: vector blocks and a tail
+    shape = (3, 37, 5, 7)  # 3885 elements: vector blocks of 8 and a tail of 5
     master = _layout(torch.randn(shape), perm)
     weight = master.bfloat16()
     assert weight.stride() == master.stride()
