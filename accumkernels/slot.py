@@ -29,7 +29,7 @@ SLOT_ATTR = "accumkernels_slot"
 class SlotWrite(NamedTuple):
     """Where and how to write one gradient of the current micro-batch."""
 
-    view: torch.Tensor  # fp32, p's shape, contiguous
+    view: torch.Tensor  # fp32, p's shape and memory layout (its strides when p is dense)
     scale: float  # multiply the gradient by this before adding
     overwrite: bool  # first write of the window: ignore what view holds
     found_inf: torch.Tensor | None  # 1-element fp32 flag to set on a non-finite gradient
