@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from accumkernels import backends
+from accumkernels.buffer import grad_strides
 
 
 class Guard:
@@ -113,7 +114,8 @@ class Guard:
                 self.ptrs[i] = view.data_ptr()  # the buffer itself moved (share_memory_)
                 continue
             p = intake.params[i]
-            slot = flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+            slot = flat.as_strided(p.shape, grad_strides(p),  # (its param's layout)
+                                   flat.storage_offset() + self.offsets[i])
             if view.dtype != torch.float32 or view.device != slot.device \
                     or view.shape != slot.shape:
                 self._raise_changed(i)

@@ -224,3 +224,39 @@ def test_layout_change_mid_window_keeps_the_window():
     w, v = ours[2].weight, native[2].weight
     assert w.grad.stride() == w.stride() and torch.equal(w.grad, v.grad)
     assert opt.micro_steps == 2
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_channels_last_after_wrapping_and_dtype_round_trip(kind, dtype):
+    """``model.to(memory_format=torch.channels_last)`` after the wrapper was built (the views
+    and masters follow), then ``model.double().float()`` mid-window (it swaps every ``.grad``'s
+    data, views included): the same params as the wrapper on a model converted before, and,
+    in fp32, as native."""
+    batches = _batches("channels_last", 2 * N)
+    runs = []
+    for when in ("before", "after", "native"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Tanh(), nn.Conv2d(6, 4, 3, bias=False),
+                              nn.Flatten(), nn.Linear(4 * 3 * 3, 5)).to(dtype)
+        if when == "before":
+            model.to(memory_format=torch.channels_last)
+        opt = _inner(kind, model.parameters())
+        if when != "native":
+            opt = AccumulatingOptimizer(opt, accumulation_steps=N)
+        model.to(memory_format=torch.channels_last)
+        for i, (x, y) in enumerate(batches):
+            F.mse_loss(model(_input("channels_last", x, dtype)).float(), y).backward()
+            if i == 1 and dtype == torch.float32:
+                model.double().float()
+            if when != "native" or (i + 1) % N == 0:
+                opt.step()
+            if (i + 1) % N == 0:
+                opt.zero_grad()
+        for p in model.parameters():
+            assert p.stride() == (p.grad.stride() if p.grad is not None else p.stride())
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b, c in zip(*runs):
+        assert a.stride() == b.stride() and torch.equal(a, b)
+        if dtype == torch.float32:
+            assert torch.equal(a, c)
