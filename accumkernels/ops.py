@@ -2,7 +2,9 @@
 
 Eager calls go straight to the backend. With the compiled extension, one C++ call checks every
 tensor (dtype, shape, device, contiguity, memory overlap, the autograd rules of in-place ops),
-bumps the version counters of what it writes and runs the kernel (csrc/tensor_calls.cpp); other
+bumps the version counters of what it writes and runs the kernel (csrc/tensor_calls.cpp); a
+pair in another dense layout (both tensors with one set of strides) is handed to it as 1-D views
+in memory order, since the kernels are elementwise; other
 backends get the same checks first; the Python rules in ``backends/validate.py`` take over
 wherever that reader cannot look (tensor subclasses, no extension).
 

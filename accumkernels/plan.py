@@ -29,7 +29,7 @@ __all__ = ["LaunchPlan"]
 class LaunchPlan:
     """``accumulate_`` into a fixed list of dst tensors, checked once; launches check only src.
 
-    The dst side (dtypes, devices, contiguity, no overlap, sizes) is read and checked when the
+    The dst side (dtypes, devices, density, no overlap, sizes) is read and checked when the
     plan is built, so a launch reads each src once and makes one call into the extension. Give
     ``keys`` (objects naming each dst, e.g. the params the dst belong to) to launch on a subset
     of the dst in any order. ``owner``, a tensor every dst is a view of (found by itself when the
