@@ -45,6 +45,7 @@ import torch
 
 from accumkernels._util import on_device, triton_usable
 from accumkernels.backends import master_step_cuda
+from accumkernels.backends.triton import upload_table
 
 from accumkernels.backends.master_step_triton_kernels import triton
 
@@ -168,13 +169,7 @@ def _launch(algo: int, lists: list[list[torch.Tensor] | None], scalars: list[flo
                          dtype=torch.int64)
     options = {} if _interpreting() else compile_options(algo)
     with on_device(device):
-        if device.type != "cpu":
-            host = table.pin_memory()
-            if torch.cuda.is_current_stream_capturing():
-                from accumkernels.backends import triton as accumulate_triton
-                table = accumulate_triton._captured_table(host.view(1, -1), device).view(-1)
-            else:
-                table = host.to(device, non_blocking=True)
+        table = upload_table(table, device, "master_step")
         dummy = masters[0]
         master_step_kernel[(total,)](
             table, n, *bases,
