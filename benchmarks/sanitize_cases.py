@@ -10,8 +10,8 @@
     compute-sanitizer --tool memcheck --kernel-name kns=master_step \
         python -m benchmarks.sanitize_cases --kernels master   # the fused master step's cases
 
-Cases (--kernels accumulate): lists of 64/65/256/257/1000/1001 tensors, eager and captured in a CUDA graph; unaligned
-views longer than a chunk; found_inf from the vector part; a scale tensor; overwrite; a
+Cases (--kernels accumulate): lists of 64/65/256/257/1000/1001 tensors, eager and captured in a
+CUDA graph; unaligned views longer than a chunk; found_inf from the vector part; a scale tensor; overwrite; a
 non-default stream; for the cuda and triton backends, each checked against the float64
 reference. Small tensors by default (--full: the test suite's sizes). With PyTorch's caching
 allocator switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so memcheck sees every tensor's own

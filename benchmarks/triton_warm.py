@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,24 +69,40 @@ def main(argv: list[str] | None = None) -> int:
     ids = collect(args.tests, extra)
     work = shards(ids, max(1, args.jobs - int(args.with_sanitize_cases)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               *extra, *s], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env) for s in work]
+    logs = Path(os.environ.get("AK_WARM_LOGS", "/tmp/ak-triton-warm"))
+    logs.mkdir(parents=True, exist_ok=True)
+    cmds = [[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *s]
+            for s in work]
     if args.with_sanitize_cases:
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.sanitize_cases", "--kernels", "accumulate,master"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+        cmds.append([sys.executable, "-m", "benchmarks.sanitize_cases", "--kernels",
+                     "accumulate,master"])
+    procs = []
+    for i, cmd in enumerate(cmds):  # each in its own session: a timeout here ends them all
+        with open(logs / f"job{i}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+
+    def stop(signum, _frame):
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        print(f"triton-warm: stopped by signal {signum}, {compiled_kernels(cache) - before} "
+              "compiles so far", flush=True)
+        sys.exit(124)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     results = []
-    for proc in procs:
-        out, _ = proc.communicate()
-        tail = [ln for ln in out.splitlines() if ln.strip()][-1:] or [""]
-        results.append({"rc": proc.returncode, "last_line": tail[0][:200]})
+    for i, proc in enumerate(procs):
+        proc.wait()
+        lines = [ln for ln in (logs / f"job{i}.log").read_text().splitlines() if ln.strip()]
+        results.append({"rc": proc.returncode, "last_line": (lines[-1:] or [""])[0][:200]})
+        print(f"  job {i}: rc {proc.returncode}: {results[-1]['last_line']} "
+              f"({compiled_kernels(cache) - before} compiles so far)", flush=True)
     after = compiled_kernels(cache)
     record = {"tests": len(ids), "shards": len(work), "jobs": args.jobs, "cache": str(cache),
               "cached_before": before, "compiles": after - before,
               "seconds": round(time.perf_counter() - started, 1), "results": results}
-    for i, r in enumerate(results):
-        print(f"  job {i}: rc {r['rc']}: {r['last_line']}")
     print(f"triton-warm: {after - before} compiles ({before} cached before), {len(ids)} tests "
           f"in {len(work)} shards, {record['seconds']} s")
     if args.out:

@@ -280,7 +280,8 @@ def upload_table(table: torch.Tensor, device: torch.device, op: str) -> torch.Te
     return host.to(device, non_blocking=True)
 
 
-def _captured_table(host: torch.Tensor, device: torch.device, op: str) -> torch.Tensor:
+def _captured_table(host: torch.Tensor, device: torch.device, op: str = "accumulate_"
+                    ) -> torch.Tensor:
     """Upload ``host`` (pinned) during a capture, keeping what replays read alive (see above)."""
     graph = _capturing_graph()
     if graph is not None:
