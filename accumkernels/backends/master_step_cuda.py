@@ -157,7 +157,7 @@ def sgd_host(*lists, **kw) -> None:
 
 
 def configure_host(sm_count: int = 132, capturing: bool = False) -> None:
-    """The emulated device of ``*_host``: its SM count (grid = 4 blocks per SM, at most one per
+    """The emulated device of ``*_host``: its SM count (grid = 3 blocks per SM, at most one per
     chunk) and whether its stream counts as captured (long lists then launch in groups)."""
     _c().master_step_cuda_host_configure(sm_count, capturing)
 

@@ -6,7 +6,8 @@ SGD/Adam/AdamW update, the weight is written back rounded. Each program is one b
 tensor; it finds its tensor by binary search in a small int64 table (element offsets of every
 array from one base tensor per list, numel, first block, an alignment flag), which also carries
 the step's scalars as float64 bit patterns (exact: Triton types Python floats as fp32). found_inf,
-grad_scale, a tensor lr and every step are read by the kernel: no host synchronisation.
+grad_scale, a tensor lr (any float dtype, taken as float32 like the CUDA kernel and
+torch's) and every step are read by the kernel: no host synchronisation.
 
 Bit-exact arithmetic in Triton: launches pass ``enable_fp_fusion=False`` (no contraction of a*b+c
 behind our back), FMAs are explicit ``tl.fma``, fp32 divisions and square roots ``tl.div_rn`` /

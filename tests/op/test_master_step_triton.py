@@ -187,6 +187,36 @@ def test_found_inf_writes_nothing(algo):
                               found_inf_tensor=torch.tensor([0.0])))
 
 
+def test_compile_options_link_a_toolkit_libdevice_or_refuse(monkeypatch, tmp_path):
+    """Adam's launches: no reflect-ftz and the toolkit libdevice (ACCUMKERNELS_LIBDEVICE first);
+    none found: Triton >= 3.9's own, else the fp32 form is refused (the fp64 form and SGD run)."""
+    fake = tmp_path / "libdevice.10.bc"
+    fake.write_bytes(b"bc")
+    try:
+        mst.libdevice_path.cache_clear()
+        monkeypatch.setenv("ACCUMKERNELS_LIBDEVICE", str(fake))
+        assert mst.compile_options(mst.ADAM_F32) == {
+            "enable_fp_fusion": False, "enable_reflect_ftz": False,
+            "extern_libs": (("libdevice", str(fake)),)}
+        assert mst.compile_options(mst.SGD) == {"enable_fp_fusion": False}
+        mst.libdevice_path.cache_clear()
+        monkeypatch.setenv("ACCUMKERNELS_LIBDEVICE", str(tmp_path / "missing.bc"))
+        with pytest.raises(RuntimeError, match="is not a file"):
+            mst.compile_options(mst.ADAM_F32)
+        mst.libdevice_path.cache_clear()
+        monkeypatch.delenv("ACCUMKERNELS_LIBDEVICE")
+        monkeypatch.setattr(mst, "_toolkit_libdevices", lambda: [])
+        monkeypatch.setattr(mst, "_own_libdevice_is_nvccs", lambda: False)
+        with pytest.raises(RuntimeError, match="powf is not nvcc's"):
+            mst.compile_options(mst.ADAM_F32)
+        assert mst.compile_options(mst.ADAM_F64) == {"enable_fp_fusion": False,
+                                                     "enable_reflect_ftz": False}
+        monkeypatch.setattr(mst, "_own_libdevice_is_nvccs", lambda: True)
+        assert "extern_libs" not in mst.compile_options(mst.ADAM_F32)
+    finally:
+        mst.libdevice_path.cache_clear()
+
+
 def test_launch_option_disables_contraction():
     """The installed Triton has the enable_fp_fusion launch option the backend passes."""
     from triton.backends.nvidia.compiler import CUDAOptions
