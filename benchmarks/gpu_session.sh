@@ -4,6 +4,22 @@
 #   bash benchmarks/gpu_session.sh [MODE]        # from the repository root, on the device machine
 #
 # MODE
+#   first     the one prepared call of issue 41, <= 8 minutes on an H100/H200 (torch 2.11, Triton
+#             3.6, 16 cores): env; build for this device's arch only (all cores); the Triton cache
+#             warmed in parallel for every kernel the GPU tests and sanitize cases launch (its
+#             compile count printed and in $OUT/triton-warm.json); the GPU tests, the master
+#             step's first; compute-sanitizer memcheck on the accumulate kernels' and the master
+#             step's sanitize cases; the headline numbers (flat 256M bf16->fp32 vs copy_, the
+#             GPT-2-124M list vs the loops and _foreach_add_, host overhead for 300 tensors, the
+#             step table's fused-master rows). Budget 450 s (AK_BUDGET). Without a GPU (or with
+#             AK_CPU=1) it rehearses the same stages on the CPU: an in-place CPU build, the
+#             interpreter, --quick benchmarks (benchmarks/results/first-rehearsal-cpu.log)
+#             Plan on the GPU (s; cap in brackets, the 450 s budget bounds the sum): env 10 [30],
+#             build 40 [120] (one arch, 16 jobs: master_step_cuda.cu's 18 instantiations need 8 s
+#             of CPU here), triton-warm 60 [100] (~140 compiles, issue 41's count, ~3 s each over
+#             15 jobs, plus collection and the shards' tests), pytest-master 25 [60],
+#             pytest-kernels 60 [90], memcheck accumulate 45 [50], memcheck master 45 [50],
+#             bench-headline 60 [70], bench-step-master 45 [50]: 390 s planned
 #   all       (default) env, build, GPU tests, a bf16 benchmark, the four compute-sanitizer tools
 #   check     env, build, GPU tests, the four compute-sanitizer tools
 #   bench     env, build, the full benchmark (eager), the optimizer step (bench_step.py), the
@@ -32,7 +48,14 @@ cd "$(dirname "$0")/.." || exit 2
 MODE=${1:-all}
 OUT=${OUT:-/tmp/ak-out}
 PY=${PY:-python3}
-BUDGET=${AK_BUDGET:-540}
+JOBS=${AK_JOBS:-$(nproc 2>/dev/null || echo 4)}
+CPU_MODE=${AK_CPU:-}
+if [[ -z $CPU_MODE ]] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
+    2>/dev/null; then CPU_MODE=1; fi
+# the CPU rehearsal runs the same stages with 3x the caps and budget (a shared 2-core machine)
+SCALE=$([[ -n $CPU_MODE ]] && echo 3 || echo 1)
+if [[ $MODE == first ]]; then BUDGET=${AK_BUDGET:-$((450 * SCALE))}; else BUDGET=${AK_BUDGET:-540}; fi
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/ak-triton-cache}
 STAGES=/tmp/ak-stages
 mkdir -p "$OUT" "$STAGES" benchmarks/results
 export PYTHONUNBUFFERED=1 ACCUMKERNELS_GIT_COMMIT=${ACCUMKERNELS_GIT_COMMIT:-}
@@ -45,7 +68,7 @@ TEST_FILES=(tests/op/test_accumulate.py tests/op/test_cuda_graphs.py tests/wgrad
 
 # stage NAME CAP_SECONDS CMD...: run CMD with a time limit, its output also in $STAGES/NAME.log
 stage() {
-  local name=$1 cap=$2
+  local name=$1 cap=$(($2 * SCALE))
   shift 2
   local left=$((BUDGET - SECONDS - 25))
   if ((left < 30)); then
@@ -78,7 +101,9 @@ stage_note() {
     sanitize*) { grep -o "ERROR SUMMARY: [0-9]* errors\?" "$log" | tail -1;
                  grep -o "RACECHECK SUMMARY: .*" "$log" | tail -1;
                  grep -E "^sanitize_cases: " "$log" | tail -1; } | tr '\n' ' ' ;;
-    build*) grep -o "'cuda_vec_store': '[a-z]*'\|cuda_prepare(0): .*" "$log" | tr '\n' ' ' ;;
+    build*) grep -o "'cuda_vec_store': '[a-z]*'\|cuda_prepare(0): .*\|^arch: .*" "$log" \
+              | tr '\n' ' ' ;;
+    triton-warm*) grep -E "^triton-warm: " "$log" | tail -1 ;;
     *) grep -E "^wrote |copy_ [0-9.]+ GB/s; wrote" "$log" | tail -1 | cut -c1-100 ;;
   esac
 }
@@ -116,6 +141,32 @@ from accumkernels import _C
 print("build_info:", _C.build_info())
 print("cuda_prepare(0):", repr(_C.cuda_prepare(0)))
 print("available_backends:", accumkernels.available_backends("cuda"))
+EOF
+}
+
+# build_first: the extension in place for this device's arch only (CPU mode: the CPU part),
+# all cores; no pip (the CPU rehearsal must not install into a shared environment)
+stage_build_first() {
+  local arch=""
+  if [[ -z $CPU_MODE ]]; then
+    arch=$("$PY" -c "import torch; m, n = torch.cuda.get_device_capability(0); print(f'{m}{n}')")
+  fi
+  echo "arch: ${arch:-none (CPU rehearsal: no CUDA build)}, jobs $JOBS"
+  if [[ -n $arch ]]; then
+    ACCUMKERNELS_CUDA=1 ACCUMKERNELS_CUDA_ARCHS=$arch MAX_JOBS=$JOBS \
+      "$PY" setup.py -q build_ext --inplace || return 1
+  else
+    ACCUMKERNELS_CUDA=0 MAX_JOBS=$JOBS "$PY" setup.py -q build_ext --inplace || return 1
+  fi
+  "$PY" - <<'EOF'
+import accumkernels
+from accumkernels import _C
+from accumkernels.backends import master_step_triton as mst
+print("build_info:", _C.build_info())
+if _C.build_info()["cuda"]:
+    print("cuda_prepare(0):", repr(_C.cuda_prepare(0)))
+print("available_backends:", accumkernels.available_backends("cuda"))
+print("triton libdevice:", mst.libdevice_path() if mst.triton is not None else "no triton")
 EOF
 }
 
@@ -160,6 +211,48 @@ run_sanitizers() {  # CAP for each tool
   sanitize_tool synccheck "$1"
 }
 
+# first: the issue-41 call (see MODE above); the stage caps add up to more than the budget, so the
+# later stages shrink or are skipped (and say so) when an earlier one runs long
+FIRST_KERNEL_TESTS=(tests/op/test_accumulate.py tests/op/test_cuda_graphs.py
+                    tests/op/test_gpu_kernels.py tests/op/test_triton_backend.py
+                    tests/wgrad/test_wgrad.py)
+run_first() {
+  local quick=() dev=() sizes=(--flat-numel 256M --reps 30) only=()
+  # CPU rehearsal: the script end to end; its tests are CI's, so only the gpu-marked ones (which
+  # skip) go through the stages
+  [[ -n $CPU_MODE ]] && quick=(--quick) && dev=(--device cpu) && sizes=(--flat-numel 1M) \
+    && only=(-m gpu)
+  stage build 120 stage_build_first
+  stage triton-warm 100 "$PY" -m benchmarks.triton_warm --jobs "$JOBS" --with-sanitize-cases \
+    --pytest-args "${only[*]}" --out "$OUT/triton-warm.json" tests/op/test_master_step_gpu.py \
+    "${FIRST_KERNEL_TESTS[@]}"
+  stage pytest-master 60 "$PY" -m pytest -q -ra -p no:cacheprovider "${only[@]}" \
+    tests/op/test_master_step_gpu.py
+  stage pytest-kernels 90 "$PY" -m pytest -q -ra -p no:cacheprovider "${only[@]}" \
+    "${FIRST_KERNEL_TESTS[@]}"
+  local cs
+  cs=$(sanitizer_path)
+  if [[ -z $cs || -n $CPU_MODE ]]; then
+    SUMMARY+=("sanitize-memcheck|-|0|skipped: no compute-sanitizer or no GPU")
+  else
+    stage sanitize-memcheck 50 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$cs" --tool memcheck \
+      --kernel-name kns=accumulate --print-limit 20 --error-exitcode 9 \
+      "$PY" -m benchmarks.sanitize_cases --kernels accumulate
+    stage sanitize-memcheck-master 50 "$cs" --tool memcheck --kernel-name kns=master_step \
+      --print-limit 20 --error-exitcode 9 "$PY" -m benchmarks.sanitize_cases --kernels master
+  fi
+  local providers=accumkernels:cuda,accumkernels:triton,loop_literal,loop_add,foreach
+  [[ -n $CPU_MODE ]] && providers=accumkernels:cpu,loop_literal,loop_add,foreach
+  stage bench-headline 70 "$PY" -m benchmarks.accumbench "${dev[@]}" "${quick[@]}" \
+    --dtypes bf16 --workloads flat,gpt2 "${sizes[@]}" --providers "$providers" --no-plot \
+    --out "$(bench_out -first)"
+  stage bench-step-master 50 "$PY" -m benchmarks.accumbench step "${dev[@]}" "${quick[@]}" \
+    --variants sum,clip --out "$OUT/step-$SLUG-$DATE-first.json"
+  [[ -z $CPU_MODE ]] && keep "$(bench_out -first)" "$OUT/step-$SLUG-$DATE-first.json" \
+    "$OUT/triton-warm.json"
+  return 0
+}
+
 bench_out() { echo "$OUT/$SLUG-$DATE$1.json"; }
 
 keep() {  # copy records into the device's benchmarks/results (the caller copies $OUT back)
@@ -168,14 +261,6 @@ keep() {  # copy records into the device's benchmarks/results (the caller copies
 }
 
 summary() {
-  echo
-  echo "=== summary: mode $MODE, $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), commit ${ACCUMKERNELS_GIT_COMMIT:-unknown}, ${SECONDS}s"
-  printf '%-28s %4s %6s  %s\n' stage rc secs note
-  local line
-  for line in "${SUMMARY[@]}"; do
-    IFS='|' read -r n rc s note <<<"$line"
-    printf '%-28s %4s %6s  %s\n' "$n" "$rc" "$s" "${note:0:110}"
-  done
   local records=()
   for f in "$OUT"/*.json; do [[ -f $f ]] && records+=("$f"); done
   local main
@@ -201,17 +286,40 @@ for x in r["rows"]:
     print(f"  {x['workload'][:20]:20} {x['dtype']:4} {x['backend']:6} {x['config'][:42]:42} {v}")
 EOF
   done
+  stages_json
   echo "files in \$OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+  echo
+  echo "=== summary: mode $MODE, budget ${BUDGET}s, $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), commit ${ACCUMKERNELS_GIT_COMMIT:-unknown}, ${SECONDS}s"
+  printf '%-28s %4s %6s  %s\n' stage rc secs note
+  local line
+  for line in "${SUMMARY[@]}"; do
+    IFS='|' read -r n rc s note <<<"$line"
+    printf '%-28s %4s %6s  %s\n' "$n" "$rc" "$s" "${note:0:110}"
+  done
 }
 
-export PY
-export -f stage_env stage_build sanitizer_path
+# $OUT/stages-MODE.json: the summary table as JSON
+stages_json() {
+  printf '%s\n' "${SUMMARY[@]}" | "$PY" -c '
+import json, sys
+rows = [dict(zip(("stage", "rc", "seconds", "note"), ln.rstrip("\n").split("|", 3)))
+        for ln in sys.stdin if ln.strip()]
+json.dump({"mode": sys.argv[1], "total_seconds": int(sys.argv[2]), "budget": int(sys.argv[3]),
+           "stages": rows}, open(sys.argv[4], "w"), indent=1)' "$MODE" "$SECONDS" "$BUDGET" \
+    "$OUT/stages-$MODE.json"
+}
+
+export PY JOBS CPU_MODE
+export -f stage_env stage_build stage_build_first sanitizer_path
 
 main() {
   echo "gpu_session.sh $MODE: budget ${BUDGET}s, out $OUT, $(date -u)"
   stage env 60 stage_env
   SLUG=$("$PY" -c "import torch; from benchmarks.accumbench.env import slugify; print(slugify(torch.cuda.get_device_name(0)))" 2>/dev/null || echo unknown-gpu)
   case $MODE in
+    first)
+      run_first
+      ;;
     all | check)
       stage build 240 stage_build stwb
       run_tests
@@ -265,7 +373,7 @@ main() {
       keep "$OUT/step-$SLUG-$DATE-fused-master.json"
       ;;
     *)
-      echo "unknown mode $MODE (all, check, bench, tune, train, sanitize, master)"
+      echo "unknown mode $MODE (first, all, check, bench, tune, train, sanitize, master)"
       ;;
   esac
   summary

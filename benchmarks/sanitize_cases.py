@@ -7,12 +7,18 @@
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \\
         python -m benchmarks.sanitize_cases          # every tensor its own allocation
 
-Cases: lists of 64/65/256/257/1000/1001 tensors, eager and captured in a CUDA graph; unaligned
-views longer than a chunk; found_inf from the vector part; a scale tensor; overwrite; a
+    compute-sanitizer --tool memcheck --kernel-name kns=master_step \
+        python -m benchmarks.sanitize_cases --kernels master   # the fused master step's cases
+
+Cases (--kernels accumulate): lists of 64/65/256/257/1000/1001 tensors, eager and captured in a
+CUDA graph; unaligned views longer than a chunk; found_inf from the vector part; a scale tensor; overwrite; a
 non-default stream; for the cuda and triton backends, each checked against the float64
 reference. Small tensors by default (--full: the test suite's sizes). With PyTorch's caching
 allocator switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so memcheck sees every tensor's own
 bounds) graph capture is not possible: the captured cases are skipped and listed as such.
+The fused master step's cases (--kernels master, benchmarks/sanitize_master.py): lists of
+64/65/400/401/1000 tensors (its parameter tables, then one in device memory), eager and captured,
+AdamW, AMSGrad, SGD-momentum, grad_scale, found_inf, a tensor lr, unaligned views.
 Exit status 1 if any case fails.
 """
 
@@ -32,10 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import gpu_cases  # tests/ is put on the path just above
 
 import accumkernels
+from benchmarks import sanitize_master
 
 
-def cases(backends: list[str], quick: bool, capture: bool):
-    """(name, thunk) for every case to run."""
+def cases(backends: list[str], quick: bool, capture: bool, kernels=("accumulate",)):
+    """(name, thunk) for every case to run: the accumulate kernels' and/or the master step's."""
+    if "master" in kernels:
+        yield from sanitize_master.cases(backends, quick, capture)
+    if "accumulate" not in kernels:
+        return
     dev = torch.device("cuda")  # the current device
     for backend in backends:
         for n in gpu_cases.TABLE_SIZES:
@@ -52,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="cuda,triton", help="comma-separated (default both)")
     p.add_argument("--full", action="store_true", help="the test suite's sizes (slower)")
+    p.add_argument("--kernels", default="accumulate",
+                   help="accumulate, master or both, comma-separated (default accumulate)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("sanitize_cases: no GPU", file=sys.stderr)
@@ -66,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     skipped = [] if capture else ["captured cases (caching allocator off)"]
     started = time.perf_counter()
-    for name, thunk in cases(backends, not args.full, capture):
+    kernels = [k for k in args.kernels.split(",") if k]
+    if not set(kernels) <= {"accumulate", "master"}:
+        p.error(f"--kernels: accumulate and/or master, not {args.kernels!r}")
+    for name, thunk in cases(backends, not args.full, capture, kernels):
         t0 = time.perf_counter()
         try:
             thunk()

@@ -21,7 +21,7 @@ namespace master_step {
 namespace {
 
 template <int kAlgo, class W, class Table>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kBlocksPerSM)
     master_step_kernel(const __grid_constant__ Table table, const LaunchArgs args) {
   step_thread<kAlgo, W>(table, args, blockIdx.x, threadIdx.x, gridDim.x);
 }

@@ -97,3 +97,85 @@ def test_sanitize_cases_cover_the_issue():
                                     "scale_tensor", "overwrite", "side_stream", "norm_sq"}
     no_capture = [n for n, _ in sanitize_cases.cases(["cuda"], True, False)]
     assert not any("captured" in n for n in no_capture)
+
+
+def test_sanitize_cases_include_the_master_step():
+    """--kernels master: both backends, every table size (eager and captured), the extras."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks import sanitize_cases
+
+    names = [n for n, _ in sanitize_cases.cases(["cuda", "triton"], True, True, ["master"])]
+    for backend in ("cuda", "triton"):
+        for n in (64, 65, 400, 401, 1000):
+            for kind in ("adamw", "sgd"):
+                assert f"master {backend} {kind} {n}" in names
+            assert f"master {backend} adamw {n} captured" in names
+        for case in ("adam_amsgrad extras", "sgd extras", "found_inf"):
+            assert f"master {backend} {case}" in names
+    both = [n for n, _ in sanitize_cases.cases(["cuda"], True, False, ["accumulate", "master"])]
+    assert any(n.startswith("master ") for n in both) and "cuda table 64" in both
+    assert not any("captured" in n for n in both)
+
+
+def test_master_sanitize_cases_run_on_the_cpu():
+    """The master step's cases themselves (Triton's interpreter for the backend, the torch
+    reference as judge), so that a broken case cannot cost device minutes; a poisoned step is
+    caught."""
+    pytest.importorskip("triton")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import torch
+
+    from accumkernels.backends import master_step_triton as mst
+    from benchmarks import sanitize_master as sm
+
+    if not mst.is_available(torch.device("cpu")):
+        pytest.skip("no Triton interpreter (TRITON_INTERPRET=1) here")
+    cpu = torch.device("cpu")
+    sm.step_case("triton", cpu, 65, "adamw", True)
+    sm.step_case("triton", cpu, 64, "adam_amsgrad", True, extras=True)
+    sm.step_case("triton", cpu, 65, "sgd", True, extras=True)
+    sm.found_inf_writes_nothing("triton", cpu)
+    s = sm._lists(64, cpu, True, "sgd", seed=1)
+    want = sm._clone(s)
+    sm._step(s, "sgd", "triton")
+    sm._step(want, "sgd", "torch")
+    s["masters"][5][0] += 1.0
+    with pytest.raises(AssertionError, match=r"masters\[5\]"):
+        sm._compare(s, want, "poisoned")
+
+
+def test_triton_warm_shards_and_counts(tmp_path, monkeypatch):
+    """Shards deal every test id once; the compile count reads Triton's cache layout."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks import triton_warm
+
+    ids = [f"t.py::test_{i}" for i in range(10)]
+    parts = triton_warm.shards(ids, 4)
+    assert sorted(x for p in parts for x in p) == sorted(ids) and len(parts) == 4
+    assert triton_warm.shards(ids[:2], 16) == [[ids[0]], [ids[1]]]
+    for key in ("a1", "b2"):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / f"__grp__kernel_{key}.json").write_text("{}")
+        (tmp_path / key / "kernel.json").write_text("{}")
+    assert triton_warm.compiled_kernels(tmp_path) == 2
+    assert triton_warm.compiled_kernels(tmp_path / "missing") == 0
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_first_mode_stage_plan():
+    """`first` runs its stages in the issue's order, every one under `stage` (a timeout), the
+    master step's GPU tests before the kernel tests, memcheck on both kernels' cases, and its
+    caps are set so that the planned times fit the 8 minutes (the budget is the bound)."""
+    text = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    body = text[text.index("run_first() {"):text.index("bench_out() {")]
+    order = ["stage build ", "stage triton-warm ", "stage pytest-master ",
+             "stage pytest-kernels ", "stage sanitize-memcheck ", "stage sanitize-memcheck-master ",
+             "stage bench-headline ", "stage bench-step-master "]
+    at = [body.index(s) for s in order]
+    assert at == sorted(at), order
+    assert "kns=master_step" in body and "--kernels master" in body
+    assert "BUDGET=${AK_BUDGET:-$((450 * SCALE))}" in text  # 7.5 minutes on the GPU
+    assert "first)\n      run_first" in text

@@ -63,14 +63,18 @@ def _flag(name: str) -> int:
     return _c().MASTER_STEP_FLAGS[name]
 
 
-def _lr(lr, device: torch.device) -> tuple[float, int]:
-    """(scalar lr, address of a tensor lr or 0). A tensor on another device than the lists (a CPU
-    lr for a CUDA step) is read as a number, as torch does."""
+def _lr(lr, device: torch.device) -> tuple[float, int, torch.Tensor | None]:
+    """(scalar lr, address of a tensor lr or 0, the tensor to keep alive until the launch).
+    A tensor on another device than the lists (a CPU lr for a CUDA step) is read as a number, as
+    torch does; one on the lists' device is read by the kernel as float32 (torch's fused CUDA
+    kernels read ``*(const float*)``): an lr of another dtype is converted first on the device
+    (float64 rounded to nearest, bf16/fp16 exactly), never reinterpreted."""
     if isinstance(lr, torch.Tensor):
         if lr.device == device:
-            return 1.0, lr.data_ptr()
-        return float(lr.item()), 0
-    return float(lr), 0
+            lr32 = lr if lr.dtype == torch.float32 else lr.to(torch.float32)
+            return 1.0, lr32.data_ptr(), lr32
+        return float(lr.item()), 0, None
+    return float(lr), 0, None
 
 
 def _ptrs(tensors) -> list[int]:
@@ -104,7 +108,7 @@ def _adam(host, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
     algo = c.MASTER_STEP_ADAM_F32 if arith == "fp32" else c.MASTER_STEP_ADAM_F64
     flags = ((_flag("amsgrad") if amsgrad else 0) | (_flag("maximize") if maximize else 0)
              | (_flag("adamw") if adamw else 0) | (_flag("write_grad") if write_grad else 0))
-    lr_value, lr_ptr = _lr(lr, masters[0].device)
+    lr_value, lr_ptr, _lr_alive = _lr(lr, masters[0].device)
     rows = [_ptrs(masters), _ptrs(weights), _ptrs(grads), _ptrs(exp_avgs), _ptrs(exp_avg_sqs),
             _ptrs(max_exp_avg_sqs) if amsgrad else [], _ptrs(state_steps)]
     scalars = [lr_value, float(beta1), float(beta2), float(weight_decay), float(eps), 0.0, 0.0]
@@ -119,7 +123,7 @@ def _sgd(host, masters, weights, grads, momentum_buffers, *, lr, momentum, dampe
              | (_flag("nesterov") if nesterov else 0)
              | (_flag("first_step") if is_first_step else 0)
              | (_flag("write_grad") if write_grad else 0))
-    lr_value, lr_ptr = _lr(lr, masters[0].device)
+    lr_value, lr_ptr, _lr_alive = _lr(lr, masters[0].device)
     rows = [_ptrs(masters), _ptrs(weights), _ptrs(grads), _ptrs(momentum_buffers), [], [], []]
     scalars = [lr_value, 0.0, 0.0, float(weight_decay), 0.0, float(momentum), float(dampening)]
     _launch(host, c.MASTER_STEP_SGD, flags, rows, masters, weights, scalars, lr_ptr, grad_scale,
@@ -153,7 +157,7 @@ def sgd_host(*lists, **kw) -> None:
 
 
 def configure_host(sm_count: int = 132, capturing: bool = False) -> None:
-    """The emulated device of ``*_host``: its SM count (grid = 4 blocks per SM, at most one per
+    """The emulated device of ``*_host``: its SM count (grid = 3 blocks per SM, at most one per
     chunk) and whether its stream counts as captured (long lists then launch in groups)."""
     _c().master_step_cuda_host_configure(sm_count, capturing)
 

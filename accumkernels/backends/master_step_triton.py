@@ -6,7 +6,8 @@ SGD/Adam/AdamW update, the weight is written back rounded. Each program is one b
 tensor; it finds its tensor by binary search in a small int64 table (element offsets of every
 array from one base tensor per list, numel, first block, an alignment flag), which also carries
 the step's scalars as float64 bit patterns (exact: Triton types Python floats as fp32). found_inf,
-grad_scale, a tensor lr and every step are read by the kernel: no host synchronisation.
+grad_scale, a tensor lr (any float dtype, taken as float32 like the CUDA kernel and
+torch's) and every step are read by the kernel: no host synchronisation.
 
 Bit-exact arithmetic in Triton: launches pass ``enable_fp_fusion=False`` (no contraction of a*b+c
 behind our back), FMAs are explicit ``tl.fma``, fp32 divisions and square roots ``tl.div_rn`` /
@@ -15,6 +16,19 @@ are IEEE: div.rn.f64, sqrt.rn.f64), pow is libdevice's (the function torch's ker
 Weights move as int16 bits and are rounded in integer arithmetic for bf16 (NaN -> 0x7fff, as
 cvt.rn).
 
+pow, as nvcc compiles it: Triton links by default the libdevice it ships and turns libdevice's
+flush-to-zero on (``nvvm-reflect-ftz``); Triton 3.6/3.8's libdevice then computes powf with
+``ex2.approx.ftz``, a different function from nvcc's ``powf`` (what torch's fused Adam and the CUDA
+kernel call: -ftz=false, a polynomial exp2). Launches therefore pass ``enable_reflect_ftz=False``
+and link the CUDA toolkit's own ``nvvm/libdevice/libdevice.10.bc`` (``libdevice_path``): the fp32
+pow then compiles to nvcc's instructions exactly (tests/op/test_master_step_triton.py compares the
+two PTX listings, Triton 3.6, 3.8 and 3.9 against nvcc 13.0). Without a toolkit libdevice,
+Triton >= 3.9's own one is used (its powf is nvcc's, same test); an older Triton refuses the fp32
+Adam form rather than compute another pow. The fp64 form's pow (torch <= 2.10) is libdevice's
+``__nv_pow`` without contraction, where nvcc fuses 4 of its products: bc1/bc2 are rounded to
+fp32 after it, so a last-bit difference of the double shows only when 1 - beta^step sits within
+one double ulp of an fp32 rounding boundary; only a GPU run compares it with torch.
+
 Under ``TRITON_INTERPRET=1`` (CPU tensors, tests) Triton cannot call libdevice: pow is then
 exponentiation by squaring in float64 for an integer step, and NaN payloads follow numpy, not the
 GPU's canonical NaN; everything else is computed exactly as on the GPU.
@@ -22,12 +36,17 @@ GPU's canonical NaN; everything else is computed exactly as on the GPU.
 
 from __future__ import annotations
 
+import functools
+import glob
 import os
+import shutil
+import sys
 
 import torch
 
 from accumkernels._util import on_device, triton_usable
 from accumkernels.backends import master_step_cuda
+from accumkernels.backends.triton import upload_table
 
 from accumkernels.backends.master_step_triton_kernels import triton
 
@@ -47,6 +66,69 @@ def is_available(device: torch.device) -> bool:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _toolkit_libdevices() -> list[str]:
+    """libdevice.10.bc of the CUDA toolkit(s) in sight: $ACCUMKERNELS_LIBDEVICE (a file), the
+    toolkit of $CUDA_HOME / $CUDA_PATH / nvcc on PATH / /usr/local/cuda, pip's nvidia-* wheels."""
+    explicit = os.environ.get("ACCUMKERNELS_LIBDEVICE")
+    if explicit:
+        return [explicit]
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    roots.append("/usr/local/cuda")
+    found = [os.path.join(r, "nvvm", "libdevice", "libdevice.10.bc") for r in roots if r]
+    for site in sys.path:
+        found += sorted(glob.glob(os.path.join(site, "nvidia", "*", "nvvm", "libdevice",
+                                               "libdevice.10.bc")))
+    return [f for f in found if os.path.isfile(f)]  # first: the most specific
+
+
+@functools.lru_cache(maxsize=None)
+def libdevice_path() -> str | None:
+    """The libdevice the kernel links (None: Triton's own, fine only on Triton >= 3.9)."""
+    paths = _toolkit_libdevices()
+    if os.environ.get("ACCUMKERNELS_LIBDEVICE") and not os.path.isfile(paths[0]):
+        raise RuntimeError(f"ACCUMKERNELS_LIBDEVICE={paths[0]!r} is not a file")
+    return paths[0] if paths else None
+
+
+def _own_libdevice_is_nvccs() -> bool:
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 9)
+
+
+def _has_reflect_ftz_option() -> bool:
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__
+
+
+def compile_options(algo: int) -> dict:
+    """The Triton compile options of a launch of ``algo`` (also the AOT test's): no contraction,
+    libdevice without flush-to-zero, the toolkit's libdevice where there is one."""
+    opts = {"enable_fp_fusion": False}
+    if algo == SGD:  # no libdevice call
+        return opts
+    if not _has_reflect_ftz_option():
+        raise RuntimeError(
+            f"master_adam_step_ (backend 'triton'): Triton {triton.__version__} cannot compile "
+            "libdevice without flush-to-zero (no enable_reflect_ftz option); use a newer Triton "
+            "or backend 'cuda'")
+    opts["enable_reflect_ftz"] = False
+    path = libdevice_path()
+    if path is not None:
+        opts["extern_libs"] = (("libdevice", path),)
+    elif algo == ADAM_F32 and not _own_libdevice_is_nvccs():
+        raise RuntimeError(
+            f"master_adam_step_ (backend 'triton', torch's fp32 Adam form): Triton "
+            f"{triton.__version__} ships a libdevice whose powf is not nvcc's (ex2.approx), and "
+            "no CUDA toolkit libdevice.10.bc was found; install the CUDA toolkit (or pip's "
+            "nvidia-cuda-nvcc), point ACCUMKERNELS_LIBDEVICE at its nvvm/libdevice/"
+            "libdevice.10.bc, upgrade Triton to >= 3.9, or use backend 'cuda'")
+    return opts
 
 
 def _base(tensors: list[torch.Tensor]) -> int:
@@ -86,14 +168,9 @@ def _launch(algo: int, lists: list[list[torch.Tensor] | None], scalars: list[flo
     bits = torch.tensor(scalars, dtype=torch.float64).view(torch.int64).tolist()
     table = torch.tensor([x for row in rows for x in row] + numels + first + aligned + bits,
                          dtype=torch.int64)
+    options = {} if _interpreting() else compile_options(algo)
     with on_device(device):
-        if device.type != "cpu":
-            host = table.pin_memory()
-            if torch.cuda.is_current_stream_capturing():
-                from accumkernels.backends import triton as accumulate_triton
-                table = accumulate_triton._captured_table(host.view(1, -1), device).view(-1)
-            else:
-                table = host.to(device, non_blocking=True)
+        table = upload_table(table, device, "master_step")
         dummy = masters[0]
         master_step_kernel[(total,)](
             table, n, *bases,
@@ -107,7 +184,7 @@ def _launch(algo: int, lists: list[list[torch.Tensor] | None], scalars: list[flo
             MAXIMIZE=flags["maximize"], ADAMW=flags["adamw"], AMSGRAD=flags["amsgrad"],
             MOMENTUM=flags["momentum"], FIRST=flags["first_step"], NESTEROV=flags["nesterov"],
             LIBDEVICE=not _interpreting(), SEARCH_STEPS=max(1, (n - 1).bit_length()),
-            BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
+            BLOCK=BLOCK, num_warps=NUM_WARPS, **options,
         )
 
 

@@ -191,7 +191,7 @@ if triton is not None:
         n_tensors,
         m_base, w_base, g_base, s0_base, s1_base, s2_base, step_base,  # one tensor of each list
         # (w_base: the weights as int16); array i of list X is at X_base + table[X, i]
-        lr_ptr,  # float32*: the lr, when LR_FROM_PTR
+        lr_ptr,  # the lr (any float dtype, read as float32 like torch's), when LR_FROM_PTR
         scale_ptr,  # float32*: grad_scale, when HAS_SCALE
         found_inf_ptr,  # float32*: nonzero -> nothing written, when HAS_FOUND_INF
         ALGO: tl.constexpr, BF16: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -219,7 +219,7 @@ if triton is not None:
 
             lr64 = _scalar(table_ptr, n_tensors, 0)
             if LR_FROM_PTR:
-                lr64 = tl.load(lr_ptr).to(tl.float64)
+                lr64 = tl.load(lr_ptr).to(tl.float32).to(tl.float64)  # as the CUDA kernel
             b1 = _scalar(table_ptr, n_tensors, 1)
             b2 = _scalar(table_ptr, n_tensors, 2)
             wd64 = _scalar(table_ptr, n_tensors, 3)
@@ -256,3 +256,8 @@ if triton is not None:
                             scale, lr64, wd64, b1, b2, eps, mom, damp, bc1, bc2s, ss, lr32, b1_32,
                             b2_32, wd32, eps32, ALGO, BF16, HAS_SCALE, STORE_GRAD, MAXIMIZE,
                             ADAMW, AMSGRAD, MOMENTUM, FIRST, NESTEROV, True)
+
+    @triton.jit
+    def pow_probe_kernel(b_ptr, s_ptr, o_ptr):
+        """``_pow`` alone (libdevice), for tests/op/test_master_step_triton.py's PTX check."""
+        tl.store(o_ptr, _pow(tl.load(b_ptr), tl.load(s_ptr), True))

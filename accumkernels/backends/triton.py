@@ -41,6 +41,12 @@ ALIGN = 16  # bytes: one 128-bit access
 # as long as the graph. They are tied to the graph object (attribute below): freed with it. A
 # capture that torch did not start has no graph object; its tables go to _UNOWNED, keyed by
 # content (capturing the same list again reuses them) and bounded by _UNOWNED_LIMIT bytes.
+# Pinning the host side during a capture needs torch's capture-aware pinned allocator (blocks
+# allocated while capturing are never handed out again while a graph may read them): torch 2.11
+# has it (ATen/core/CachingHostAllocator.h, was_allocated_during_stream_capture_); an older torch
+# fails the pin with "operation not permitted when stream is capturing", which invalidates the
+# whole capture, so upload_table refuses first (2.10 is not verified: refused too).
+_PIN_IN_CAPTURE_SINCE = (2, 11)
 _GRAPH_ATTR = "_accumkernels_triton_tables"
 _UNOWNED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _UNOWNED_LIMIT = 64 << 20
@@ -225,10 +231,9 @@ def resync_masters(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> 
     block = 1024
     rows, b_m, b_w, total = _table(pairs, block)
     device = pairs[0][0].device
-    table = torch.tensor(rows[:4], dtype=torch.int64)
     with on_device(device):
-        if device.type != "cpu":
-            table = table.pin_memory().to(device, non_blocking=True)
+        table = upload_table(torch.tensor(rows[:4], dtype=torch.int64), device,
+                             "resync_masters_")
         _resync_kernel[(total,)](table, len(pairs), pairs[b_m][0], pairs[b_w][1],
                                  SEARCH_STEPS=max(1, (len(pairs) - 1).bit_length()),
                                  BF16=pairs[0][1].dtype == torch.bfloat16, BLOCK=block,
@@ -248,7 +253,35 @@ def _capturing_graph():
     return graph if hasattr(graph, "__dict__") else None
 
 
-def _captured_table(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def upload_table(table: torch.Tensor, device: torch.device, op: str) -> torch.Tensor:
+    """A launch's int64 ``table`` (CPU) on ``device``, in stream order (call it with ``device``
+    current: see on_device). Outside a capture a pinned copy, which the caching allocators keep
+    alive until the stream has used it; during a capture a pinned copy kept alive with the graph
+    (``_captured_table``), refused cleanly where the torch cannot pin while capturing. CPU
+    (interpreter): the table itself."""
+    if device.type == "cpu":
+        return table
+    capturing = torch.cuda.is_current_stream_capturing()
+    if capturing and _torch_version() < _PIN_IN_CAPTURE_SINCE:
+        raise RuntimeError(
+            f"{op}(backend='triton') cannot be captured in a CUDA graph on torch "
+            f"{torch.__version__}: its launch table is uploaded from pinned memory, which this "
+            "torch cannot allocate while a stream is capturing (torch >= "
+            f"{'.'.join(map(str, _PIN_IN_CAPTURE_SINCE))} can); use backend='cuda' or run it "
+            "outside the capture")
+    host = table.pin_memory()
+    if capturing:
+        return _captured_table(host.view(1, -1), device, op).view(table.shape)
+    return host.to(device, non_blocking=True)
+
+
+def _captured_table(host: torch.Tensor, device: torch.device, op: str = "accumulate_"
+                    ) -> torch.Tensor:
     """Upload ``host`` (pinned) during a capture, keeping what replays read alive (see above)."""
     graph = _capturing_graph()
     if graph is not None:
@@ -261,7 +294,7 @@ def _captured_table(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         used = sum(h.nbytes for h, _ in _UNOWNED.values())
         if used + host.nbytes > _UNOWNED_LIMIT:
             raise RuntimeError(
-                "accumulate_(backend='triton'): more than "
+                f"{op}(backend='triton'): more than "
                 f"{_UNOWNED_LIMIT >> 20} MiB of pointer tables captured by CUDA graphs that "
                 "torch.cuda.CUDAGraph does not own (they cannot be freed). Capture with "
                 "torch.cuda.graph / CUDAGraph, or use backend='cuda'.")
@@ -311,14 +344,8 @@ def _launch(dst, src, scale, scale_tensor, overwrite, found_inf, norm_sq, slots)
     if norm_sq is not None:
         rows.append(list(slots))
     n = len(pairs)
-    table = torch.tensor(rows, dtype=torch.int64)
     with on_device(device):
-        if device.type != "cpu":
-            host = table.pin_memory()
-            if torch.cuda.is_current_stream_capturing():
-                table = _captured_table(host, device)
-            else:  # the caching allocators keep both alive until the stream has used them
-                table = host.to(device, non_blocking=True)
+        table = upload_table(torch.tensor(rows, dtype=torch.int64), device, "accumulate_")
         head = (table, n, pairs[b_dst][0], pairs[b_src][1],
                 scale_tensor if scale_tensor is not None else table, float(scale),
                 found_inf if found_inf is not None else table)

@@ -5,7 +5,9 @@ The model (``step_spec``) is written here with numpy, independently of the kerne
 /, sqrt are numpy's float32 operations (IEEE, correctly rounded); fp64 ones numpy's float64; a
 fused multiply-add is computed exactly (``fma32``: TwoSum in float64 and a tie fix-up, proof in
 its docstring; ``fma64``: rational arithmetic); pow is the correctly rounded power of the beta to
-the (integer) step. NaN results of arithmetic are the GPU's canonical 0x7fffffff.
+the (integer) step, which is what the host emulation computes on these values, not a model of
+nvcc's powf: what these tests prove is every operation but pow (see ``pow32``). NaN results of
+arithmetic are the GPU's canonical 0x7fffffff.
 
 Every tensor sits between NaN guard bytes that must stay untouched (out-of-bounds writes). The
 launch side is covered too: parameter tables, the copied table of long lists, groups while
@@ -153,7 +155,10 @@ def round_fraction_f32(q: Fraction) -> np.float32:
 
 
 def pow32(b: np.float32, s: np.float32) -> np.float32:
-    """Correctly rounded fp32 b**s for an integer-valued step s."""
+    """Correctly rounded fp32 b**s for an integer-valued step s. Not nvcc's powf (libdevice's
+    polynomial, not correctly rounded in general): the host emulation computes RN32(double pow),
+    which equals this on the tests' betas and steps, so these tests prove every operation of the
+    step but pow; the GPU tests compare the device's powf (csrc/master_step_kernel.h, "pow")."""
     assert float(s).is_integer() and s >= 0
     return round_fraction_f32(Fraction(float(b)) ** int(s))
 
@@ -490,7 +495,7 @@ def test_many_tensors(capturing):
     else:
         assert kinds == ["device", "device"], launches
     assert [line.split()[0] for line in launches][0] == "bf16"
-    assert all("grid=12" in line for line in launches), launches  # 3 SMs x 4 blocks
+    assert all("grid=9" in line for line in launches), launches  # 3 SMs x 3 blocks
 
 
 def test_grid_stride_and_empty_tensors():
@@ -502,7 +507,7 @@ def test_grid_stride_and_empty_tensors():
         launches = msc.host_launches()
     finally:
         msc.configure_host()
-    assert launches == ["fp16 param64 grid=4 chunks=6 tensors=3"]
+    assert launches == ["fp16 param64 grid=3 chunks=6 tensors=3"]
 
 
 @pytest.mark.parametrize("algo", ["adam_f32", "sgd"])

@@ -5,7 +5,8 @@ The judge: the masters are resynced from user-written weights (where weight != m
 NaN differs), torch.optim.Adam/AdamW/SGD(fused=True) steps clones of them with grad_scale and
 found_inf set as GradScaler sets them, and weight.copy_(master) rounds them back. Our backends get
 the originals, with the steps incremented before and found_inf subtracted after as torch's Python
-does around its kernel. grad_scale and found_inf are 0-dim tensors, as GradScaler makes them. Masters, weights, grads, every state tensor and the steps are compared as
+does around its kernel. grad_scale and found_inf are 0-dim tensors, as GradScaler makes them.
+Masters, weights, grads, every state tensor and the steps are compared as
 integers (NaN patterns and -0.0 count).
 
 Also here: which of torch's two Adam forms the installed torch computes (the backends pick one by
@@ -337,3 +338,19 @@ def test_host_emulation_equals_the_device(algo):
         msc.adam_host(*cpu[:5], None, cpu[5], **kw)
     for name, a, b in zip(("m", "w", "g", "s0", "s1"), dev[:5], cpu[:5]):
         assert_same(name, [t.cpu() for t in a], b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16],
+                         ids=["fp64", "bf16", "fp16"])
+def test_tensor_lr_of_another_dtype_is_read_as_float32(backend, dtype):
+    """A device lr of any float dtype: the step equals the one with its float32 value, which
+    torch's fused Adam takes as a float32 lr tensor (never the dtype's bytes read as float32)."""
+    mod = backend_module(backend)
+    sizes = [3, 1030, 9000]
+    inputs = adam_inputs(sizes, [torch.bfloat16, torch.float16], False)
+    lr = torch.tensor(3.0000001e-3, dtype=dtype, device=DEV)
+    kw = dict(betas=(0.9, 0.999), weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
+              adamw=True, grad_scale=None, found_inf=None)
+    got = ours_adam(mod, *inputs, lr=lr, **kw)
+    compare(got, torch_adam(*inputs, lr=lr.float(), **kw))

@@ -34,6 +34,46 @@ def test_cuda_source_compiles(tmp_path: Path, arch: str) -> None:
     assert obj.is_file() and obj.stat().st_size > 0
 
 
+# (source, threads per block, blocks per SM the grid launches: csrc's kBlockThreads/kThreads and
+# kBlocksPerSM, which __launch_bounds__ names)
+KERNELS = [("accumulate_cuda.cu", "accumulate_kernel.h", "kBlockThreads", "kBlocksPerSM"),
+           ("master_step_cuda.cu", "master_step_kernel.h", "kThreads", "kBlocksPerSM")]
+
+
+def _constant(header: str, name: str) -> int:
+    import re
+
+    m = re.search(rf"constexpr int {name} = (\d+);", (CSRC / header).read_text())
+    assert m, f"{name} not found in {header}"
+    return int(m.group(1))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH: the CUDA kernels cannot be compiled")
+@pytest.mark.parametrize("source,header,threads,blocks", KERNELS,
+                         ids=[k[0].split("_cuda")[0] for k in KERNELS])
+def test_every_kernel_fits_its_grid_without_spills(tmp_path: Path, source, header, threads,
+                                                   blocks) -> None:
+    """ptxas -v for sm_90, every instantiation: no spill, no stack frame, and registers x threads
+    x blocks per SM within the 64K registers of an SM, so the whole persistent grid is resident
+    in one wave (the master step at 4 blocks/SM needed 70-71 registers: 3 resident, a quarter of
+    the blocks in a second wave)."""
+    import re
+
+    per_block = _constant(header, threads)
+    per_sm = _constant(header, blocks)
+    assert f"__launch_bounds__({threads}, {blocks})" in (CSRC / source).read_text()
+    cmd = [NVCC, "-std=c++17", "-O3", "-gencode", "arch=compute_90,code=sm_90", "-c",
+           "-Xptxas", "-v", "-I", str(CSRC), str(CSRC / source), "-o", str(tmp_path / "k.o")]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", proc.stderr)]
+    spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+                        r"loads", proc.stderr)
+    assert regs and len(spills) >= len(regs), proc.stderr[-2000:]
+    assert all(s == ("0", "0", "0") for s in spills), spills
+    assert max(regs) * per_block * per_sm <= 65536, (max(regs), per_block, per_sm)
+
+
 def test_build_info_is_consistent() -> None:
     """has_cuda() agrees with build_info(), and the dtype codes are the documented ones."""
     C = _native_module()
