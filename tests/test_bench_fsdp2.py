@@ -29,7 +29,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_fsdp2") / "fsdp2.json"
     rc = bench_fsdp2.main(["--world", str(WORLD), "--dim", str(DIM), "--layers", str(LAYERS),
                            "--batch", "4", "--accum", str(ACCUM), "--windows", "1",
-                           "--warmup", "0", "--timeout", "120", "--out", str(out)])
+                           "--warmup", "0", "--timeout", "300", "--out", str(out)])
     return rc, json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
