@@ -60,7 +60,8 @@ def format_table(record: dict) -> str:
         f"timer: {c['timer']}" + (f"; {c['note']}" if c.get("note") else ""),
         "",
         (f"{'row':<32} {'model':>5} {'median ms':>10} {'p20':>8} {'p80':>8} {'x fused':>7} "
-         f"{'x fair':>6} {'x inner':>7} {'floor':>7} {'x floor':>7} {'model MB':>9} {'+MB fair':>8} {'GB/s':>6} {'counted MB':>10} "
+         f"{'x fair':>6} {'x inner':>7} {'floor':>7} {'x floor':>7} {'model MB':>9} "
+         f"{'+MB fair':>8} {'GB/s':>6} {'counted MB':>10} "
          f"{'+MB fair':>8} {'ops':>5} {'items':>5}  status"),
     ]
     for r in record["rows"]:
@@ -80,9 +81,9 @@ def format_table(record: dict) -> str:
     lines += ["", ("x fused: median / adamw_fused's; x fair: / the row's fair baseline's "
                    "(adamw_fused for fp32 models, adamw_fused+copy_back for bf16, the sgd_ rows' "
                    "for SGD); x inner: / the row's inner optimizer alone on fp32 params "
-                   "(adamw_fused or sgd_fused: the goal's ratio); floor (ms): what the row's step cannot "
-                   "avoid, measured in this run: read_pass + inner for an fp32 model, read_pass + "
-                   "32/28 x inner for a bf16 one (the fused master step's bytes; 24/20 for SGD); "
+                   "(adamw_fused or sgd_fused: the goal's ratio); floor (ms): what the row's "
+                   "step cannot avoid, measured in this run: read_pass + inner for an fp32 "
+                   "model, read_pass + 32/28 x inner for a bf16 one (the fused master step's bytes; 24/20 for SGD); "
                    "x floor: median / floor; _separate: the fused master "
                    "step off (re-sync, step, copy-back); model MB: "
                    "the byte model (see bench_step.py); counted MB, ops, items: one step's aten "
