@@ -284,3 +284,24 @@ def test_a_failing_row_is_recorded_and_the_others_go_on(monkeypatch):
     assert bench_step.row_record(good, 17, args, 4, None)["status"] == "MISMATCH"
     for r in (bad, good, broken):
         r.close()
+
+
+def test_step_phases(tmp_path):
+    """benchmarks/step_phases.py: every phase of a wrapper step timed, the phases inside the
+    window and the window inside the step (CPU time of the same thread: sums cannot exceed)."""
+    from benchmarks import step_phases
+
+    out = tmp_path / "phases.json"
+    rc = step_phases.main(["--workload", "gpt2-tiny", "--reps", "2", "--rows",
+                           "adamw_fused,wrapper_fp32_clip,wrapper_bf16_sum", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert rc == 0 and record["clock"] == "thread"
+    med = record["median_ms"]
+    assert set(med) == {"adamw_fused", "wrapper_fp32_clip", "wrapper_bf16_sum"}
+    assert set(med["adamw_fused"]) == {"step"}  # no wrapper: nothing but the step
+    for name in ("wrapper_fp32_clip", "wrapper_bf16_sum"):
+        for sample in range(2):
+            s = {k: v[sample] for k, v in record["samples_ms"][name].items()}
+            assert s["inner"] <= s["apply"] <= s["window"] <= s["step"]
+            parts = s["take_in"] + s["gather"] + s["decide"] + s["apply"] + s["finish"]
+            assert parts <= s["window"] * 1.001 + 1e-3
