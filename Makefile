@@ -38,8 +38,15 @@ install: $(VENV)/.installed
 test: $(VENV)/.installed $(VENV)/.test-deps
 	$(PY) -m pytest
 
+# The [bench] extra of pyproject.toml: matplotlib (the plot), transformers (the training table's
+# models). Installed into the venv even where --system-site-packages would hide a missing one.
+$(VENV)/.bench-deps: $(VENV)/.torch pyproject.toml
+	$(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))\
+		['project']['optional-dependencies']['bench'])" | xargs $(PIP) install
+	touch $@
+
 # The kernels, the optimizer step against the inner optimizer's, the end-to-end training table.
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed $(VENV)/.bench-deps
 	$(PY) -m benchmarks.accumbench $(BENCH_ARGS)
 	$(PY) -m benchmarks.accumbench step $(STEP_ARGS)
 	$(PY) -m benchmarks.accumbench train $(TRAIN_ARGS)

@@ -18,6 +18,8 @@ wrapper's persistent window included. ``grad_mid``: after a backward inside the 
 largest); ``held``: at the boundary; ``peak``: held + the peak of the storages created during
 the window's forwards and backwards (accumbench.tally.LiveTensorBytes, a dispatch mode):
 activations, all-gathered params and reduce-scatter buffers included, not only gradients.
+While memory is measured every collective returns only once gloo's worker thread has dropped its
+tensors (``SettledCollectives``): what is counted does not depend on thread scheduling.
 
 Wire (every window of the timed phase): collectives counted where they are called, in
 ``torch.distributed`` (wrapped functions: FSDP2's own code path unchanged), as the bytes one rank
@@ -122,6 +124,47 @@ class WireCounter:
             setattr(dist, name, fn)
 
 
+class SettledCollectives:
+    """Wraps the same collectives so that a synchronous one returns only once gloo has let go of
+    its tensors. Gloo runs a collective on a worker thread that marks it complete (which wakes the
+    caller) and only then drops its ``Work``, the last C++ reference to the output and input
+    tensors. If FSDP2 frees such a buffer first (the all-gathered bf16 params of a layer, freed
+    at that layer's copy-out in the backward), the tensor's Python object is kept alive, owned
+    by the worker's reference, until that thread runs again: on a loaded machine that can be
+    after the backward, so ``live_bytes`` counted one layer's all-gathered weight (8320 B in the
+    test) in about one run in a dozen. Here the caller waits (GIL released) until the use count
+    of each tensor argument is back to what it was before the call: the measurement no longer
+    depends on when the worker thread is scheduled."""
+
+    def __init__(self, timeout: float = 60.0):
+        self.timeout = timeout
+        self.saved: dict = {}
+
+    def _wrap(self, name: str, fn):
+        def settled(*args, **kwargs):
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            before = [t._use_count() for t in tensors]
+            out = fn(*args, **kwargs)
+            if out is None:  # synchronous: done, except for the worker's reference
+                deadline = time.monotonic() + self.timeout
+                while any(t._use_count() > n for t, n in zip(tensors, before)):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{name}: gloo kept its tensors {self.timeout:g} s")
+                    time.sleep(0.0002)
+            return out
+        return settled
+
+    def __enter__(self) -> SettledCollectives:
+        for name in WireCounter.KINDS:
+            self.saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self.saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
 def live_bytes() -> int:
     """Bytes of every distinct tensor storage the garbage collector reaches (local shards)."""
     from torch.distributed.tensor import DTensor
@@ -186,18 +229,6 @@ def window(cfg: Config, model, opt, row: str, rank: int, w: int, after=None, mod
     opt.zero_grad()
 
 
-def grad_bytes(model) -> int:
-    """``live_bytes`` after a backward, with every FSDP2 unit resharded first: an all-gathered
-    bf16 weight FSDP2 has not yet freed (it may keep one past the backward, timing-dependent on
-    gloo) is no gradient memory, in any row."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-    return live_bytes()
-
-
 def memory_row(cfg: Config, mesh, row: str, rank: int) -> dict:
     """Live bytes at the boundary, after each backward, and the window's peak; row alone."""
     from benchmarks.accumbench.tally import LiveTensorBytes
@@ -206,7 +237,7 @@ def memory_row(cfg: Config, mesh, row: str, rank: int) -> dict:
     window(cfg, model, opt, row, rank, 0)  # AdamW state exists from here on
     held = live_bytes()
     after: list[int] = []
-    window(cfg, model, opt, row, rank, 1, after=lambda i: after.append(grad_bytes(model)))
+    window(cfg, model, opt, row, rank, 1, after=lambda i: after.append(live_bytes()))
     mode = LiveTensorBytes()
     window(cfg, model, opt, row, rank, 2, mode=mode)
     del model, opt
@@ -258,7 +289,8 @@ def _rank_main(rank: int, world: int, out_dir: str, cfg: Config) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         mesh = init_device_mesh("cpu", (world,))
-        result["memory"] = {row: memory_row(cfg, mesh, row, rank) for row in ROWS}
+        with SettledCollectives():
+            result["memory"] = {row: memory_row(cfg, mesh, row, rank) for row in ROWS}
         with WireCounter() as counter:
             result["timed"] = timed_rows(cfg, mesh, rank, counter)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file

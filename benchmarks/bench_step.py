@@ -6,6 +6,9 @@ Rows, all on the same parameter list (a GPT-2-shaped one; each row owns its copy
 
 * ``adamw_fused`` / ``adamw_foreach``: ``torch.optim.AdamW(fused=True)`` / ``(foreach=True)``
   on fp32 params whose ``.grad`` a backward has just set (``adamw_fused`` is the 1.00x row);
+* ``read_pass``: ``torch.nn.utils.get_total_norm`` over a window-shaped fp32 list (views of one
+  flat buffer, as the wrapper's window): the read pass every wrapper step needs (finiteness and
+  the clip norm), timed in the same run;
 * ``adamw_fused+copy_back``: the fair comparison for bf16 models: fused AdamW on fp32 masters,
   then one ``torch._foreach_copy_`` of the masters into the bf16 params;
 * ``wrapper_<fp32|bf16>_<variant>``: ``AccumulatingOptimizer`` around the same fused AdamW on an
@@ -19,7 +22,14 @@ the wrapper's window is filled by ``--micro-batches`` backwards through its publ
 during backward, ``scale_loss`` for the dynamic rows). Only ``step()`` is timed (the copy-back
 included where a row has one), wall clock, synchronised on a GPU. Every repetition times one
 step of every row, rows in rotating order (round-robin), after warm-up repetitions (the first
-step allocates AdamW's state); the figure is the median. Then one more step per row runs under
+step allocates AdamW's state); the figure is the median. ``--clock thread`` times the thread's CPU
+time (``time.thread_time``) instead of the wall clock: on a shared box it leaves out the time
+the step waited for a core (both are recorded).
+
+The floor of a wrapper row is what its step cannot avoid, measured in the same run: the read pass
+plus the inner optimizer's own pass (fp32 model: ``read_pass + inner``; bf16 model, the fused
+master step: ``read_pass + 32/28 x adamw_fused``, ``+ 24/20 x sgd_fused`` for SGD: its bytes over
+the inner step's). ``x floor`` = median / floor. Then one more step per row runs under
 ``accumbench.tally.TrafficTally``: the bytes its aten ops move, their count (launches on a GPU)
 and the host syncs. A row is ``ok`` when its inner optimizer took every step (none skipped).
 
@@ -111,6 +121,15 @@ class RowSpec:
     separate: bool = False  # wrapper rows: the fused master step off (re-sync, step, copy-back)
     inner: str = "adamw_fused"  # the row of the inner optimizer alone on fp32 params (1.00x)
 
+    def floor_factor(self) -> float | None:
+        """A wrapper row's floor is ``read_pass + factor x inner``: the fused master step's
+        bytes over the inner step's for a bf16 model, 1 for an fp32 one (None: no floor)."""
+        if self.kind != "wrapper":
+            return None
+        inner = SGD_BYTES if self.opt == "sgd" else INNER_BYTES
+        b = DTYPES[self.dtype].itemsize
+        return 1.0 if b == 4 else FUSED_MASTER_BYTES[self.opt](b) / inner
+
     @property
     def options(self) -> dict:
         return dict(VARIANTS[self.variant]) if self.variant else {}
@@ -124,6 +143,7 @@ def row_specs(variants: list[str]) -> list[RowSpec]:
     sgd16 = "sgd_fused+copy_back"
     sgd = {"opt": "sgd", "inner": "sgd_fused"}
     return ([RowSpec("adamw_fused", "inner", "fp32"),
+             RowSpec("read_pass", "read", "fp32", fair="read_pass"),
              RowSpec("adamw_foreach", "inner", "fp32", foreach=True)]
             + [RowSpec(f"wrapper_fp32_{v}", "wrapper", "fp32", v) for v in variants]
             + [RowSpec(fair16, "inner+copy_back", "bf16", fair=fair16)]
@@ -142,6 +162,8 @@ def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool,
                  native_resync: bool = True) -> dict[str, int]:
     """Bytes per step by pass, by the model in the module docstring."""
     b = DTYPES[spec.dtype].itemsize
+    if spec.kind == "read":
+        return {"read": 4 * numel}
     inner = SGD_BYTES if spec.opt == "sgd" else INNER_BYTES
     passes = {"inner": inner * numel}
     if spec.kind == "inner+copy_back":
@@ -190,6 +212,39 @@ class Probe(torch.nn.Module):
         return sum((p * r).sum() for p, r in zip(self.params, rs, strict=True))
 
 
+class ReadRow:
+    """The read pass alone: ``get_total_norm`` over views of one flat fp32 buffer shaped as the
+    window (``step`` is timed; nothing to prepare)."""
+
+    model_dtype = "fp32"
+    opt = None
+    micro = 0
+
+    def __init__(self, spec: RowSpec, init: list[torch.Tensor]):
+        self.spec = spec
+        self.times: list[float] = []
+        self.other_times: list[float] = []
+        self.error: str | None = None
+        flat = torch.empty(sum(t.numel() for t in init), device=init[0].device)
+        self.views = [v.view_as(t) for v, t in
+                      zip(flat.split([t.numel() for t in init]), init, strict=True)]
+        torch.manual_seed(1)
+        flat.normal_()
+
+    def prepare(self, rsets, rep: int) -> None:
+        pass
+
+    def step(self) -> None:
+        if not bool(torch.isfinite(torch.nn.utils.get_total_norm(self.views, 2.0))):
+            raise FloatingPointError("read_pass: non-finite norm")
+
+    def inner_steps(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
 class StepRow:
     """A row's model and optimizer: ``prepare`` fills the gradients, ``step`` is timed."""
 
@@ -197,6 +252,7 @@ class StepRow:
                  declare_n: bool):
         self.spec = spec
         self.times: list[float] = []
+        self.other_times: list[float] = []  # by the clock not chosen (--clock)
         self.error: str | None = None
         master = spec.kind == "inner+copy_back"
         self.model_dtype = "fp32" if master else spec.dtype  # of the probe's params
@@ -260,8 +316,10 @@ def _error(exc: BaseException) -> str:
 
 
 def time_rows(rows: list[StepRow], rsets: dict[str, list], warmup: int, reps: int,
-              device: torch.device) -> None:
-    """Interleaved: each repetition times one step of every row, starting one row later."""
+              device: torch.device, clock: str = "wall") -> None:
+    """Interleaved: each repetition times one step of every row, starting one row later.
+    ``clock``: "wall" (perf_counter) or "thread" (the thread's CPU time) fills ``times``; the
+    other fills ``other_times``."""
     for rep in range(warmup + reps):
         live = [r for r in rows if r.error is None]
         k = rep % max(len(live), 1)
@@ -269,15 +327,17 @@ def time_rows(rows: list[StepRow], rsets: dict[str, list], warmup: int, reps: in
             try:
                 row.prepare(rsets[row.model_dtype], rep)
                 _sync(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 row.step()
                 _sync(device)
-                ms = (time.perf_counter() - t0) * 1e3
+                wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
             except Exception as exc:  # noqa: BLE001 - recorded in the row, the others go on
                 row.error = _error(exc)
                 continue
             if rep >= warmup:
-                row.times.append(ms)
+                chosen, other = (cpu, wall) if clock == "thread" else (wall, cpu)
+                row.times.append(chosen * 1e3)
+                row.other_times.append(other * 1e3)
         _log(f"repetition {rep + 1}/{warmup + reps}" + (" (warm-up)" if rep < warmup else ""))
 
 
@@ -308,6 +368,8 @@ def row_record(row: StepRow, numel: int, args: argparse.Namespace, expected_step
     passes = model_passes(spec, numel, args.micro_batches, args.declare_n, native_resync)
     skipped = getattr(row.opt, "skipped_steps", 0)
     steps = row.inner_steps()
+    if spec.kind == "read":
+        expected_steps = 0
     status = "error" if row.error else (
         "ok" if steps == expected_steps and not skipped else "MISMATCH")
     med, p20, p80 = quantiles(row.times) if row.times else (None, None, None)
@@ -317,6 +379,9 @@ def row_record(row: StepRow, numel: int, args: argparse.Namespace, expected_step
             "micro_batches": row.micro, "status": status, "error": row.error,
             "inner_steps": steps, "expected_steps": expected_steps, "skipped_steps": skipped,
             "median_ms": med, "p20_ms": p20, "p80_ms": p80, "times_ms": row.times,
+            "other_clock_times_ms": row.other_times,
+            "other_clock_median_ms": quantiles(row.other_times)[0] if row.other_times else None,
+            "floor_factor": spec.floor_factor(), "floor_ms": None, "ratio_vs_floor": None,
             "inner_baseline": spec.inner, "ratio_vs_adamw_fused": None, "ratio_vs_fair": None,
             "ratio_vs_inner": None,
             "model_bytes": model_bytes, "model_bytes_by_pass": passes,
@@ -354,6 +419,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch.set_num_threads (default 1 on CPU, torch's on GPU; 0 = torch's)")
     p.add_argument("--tally", action=argparse.BooleanOptionalAction, default=True,
                    help="count one step's bytes, ops and syncs per row (default: on)")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="what times a step: the wall clock (default) or the thread's CPU time "
+                        "(time.thread_time: leaves out waits for a core on a shared box)")
+    p.add_argument("--note", default="",
+                   help="a line about the conditions (e.g. 'shared box'), kept in the record")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny list, 3 reps: a smoke test")
     p.add_argument("--out", type=Path, help="JSON path (default: "
@@ -385,7 +455,8 @@ def build_rows(specs: list[RowSpec], shapes: list[Shape], args: argparse.Namespa
     for name, dtype in DTYPES.items():
         rsets[name] = [[torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
                        for _ in range(2)]
-    return [StepRow(spec, init, args.micro_batches, args.declare_n) for spec in specs], rsets
+    return [ReadRow(spec, init) if spec.kind == "read" else
+            StepRow(spec, init, args.micro_batches, args.declare_n) for spec in specs], rsets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"{args.workload}: {len(shapes)} tensors, {numel / 1e6:.2f}M params, "
          f"{len(specs)} rows on {device}")
     rows, rsets = build_rows(specs, shapes, args, device)
-    time_rows(rows, rsets, args.warmup, args.reps, device)
+    time_rows(rows, rsets, args.warmup, args.reps, device, args.clock)
     tallies = tally_rows(rows, rsets, args.warmup + args.reps) if args.tally else {}
     expected = args.warmup + args.reps + (1 if args.tally else 0)
     records = [row_record(r, numel, args, expected, tallies.get(r.spec.name)) for r in rows]
@@ -420,8 +491,10 @@ def main(argv: list[str] | None = None) -> int:
                    "quick": args.quick, "optimizer": f"AdamW(lr={LR}, fused=True); SGD rows: "
                                                      f"SGD(lr={LR}, momentum={SGD_MOMENTUM}, "
                                                      "fused=True)",
-                   "timer": "time.perf_counter around step()"
+                   "timer": ("time.thread_time (the thread's CPU time)" if args.clock == "thread"
+                             else "time.perf_counter") + " around step()"
                             + (", synchronised" if device.type == "cuda" else ""),
+                   "clock": args.clock, "note": args.note,
                    "inner_bytes_per_element": INNER_BYTES, "sgd_bytes_per_element": SGD_BYTES,
                    "lr": LR},
         "rows": records, "elapsed_s": time.perf_counter() - started,

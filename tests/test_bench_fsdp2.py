@@ -29,7 +29,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_fsdp2") / "fsdp2.json"
     rc = bench_fsdp2.main(["--world", str(WORLD), "--dim", str(DIM), "--layers", str(LAYERS),
                            "--batch", "4", "--accum", str(ACCUM), "--windows", "1",
-                           "--warmup", "0", "--timeout", "120", "--out", str(out)])
+                           "--warmup", "0", "--timeout", "300", "--out", str(out)])
     return rc, json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
@@ -91,3 +91,57 @@ def test_memory_per_rank(rows):
         assert abs(rows["native_sync"]["held_bytes"][r]) <= 64
         assert 4 * LOCAL <= rows["accum_sync"]["held_bytes"][r] <= 4 * LOCAL + SLACK
         assert rows["native_sync"]["peak_bytes"][r] >= mid("native_sync")[r]
+
+
+def _settle_worker(rank: int, world: int, store_dir: str, n: int, queue) -> None:
+    """n all-gathers of a bf16 buffer the size of one test layer; after each, the output's last
+    Python reference is dropped: count the outputs still alive (kept by gloo's worker thread)."""
+    import datetime
+    import os
+    import weakref
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(os.path.join(store_dir, "store"), world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        inp = torch.ones(DIM * DIM + DIM, dtype=torch.bfloat16)
+        alive = 0
+        with bench_fsdp2.SettledCollectives():
+            for _ in range(n):
+                out = torch.empty(WORLD * inp.numel(), dtype=torch.bfloat16)
+                dist.all_gather_single(out, inp)
+                ref = weakref.ref(out)
+                del out
+                alive += ref() is not None
+        dist.barrier()
+        queue.put((rank, alive))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, repr(exc)))
+
+
+def test_settled_collectives_leave_no_tensor_to_gloo(tmp_path):
+    """The cause of test_memory_per_rank's old flake: gloo's worker thread drops its reference
+    to a collective's tensors only after the caller has been woken, so a buffer freed right after
+    the call stayed alive a while (10-20 % of calls on the loaded 2-core box). Under
+    SettledCollectives (used while bench_fsdp2 measures memory) the call returns after that
+    release: no output outlives its last reference, in any of 300 calls per rank."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_settle_worker, args=(r, WORLD, str(tmp_path), 300, queue))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=300) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert results == {r: 0 for r in range(WORLD)}, results

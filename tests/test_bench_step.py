@@ -20,7 +20,7 @@ from benchmarks.accumbench import suites  # noqa: E402
 from benchmarks.accumbench.tally import LiveTensorBytes, TrafficTally  # noqa: E402
 
 REPS = 2
-ROW_NAMES = ["adamw_fused", "adamw_foreach", "wrapper_fp32_sum", "wrapper_fp32_clip",
+ROW_NAMES = ["adamw_fused", "read_pass", "adamw_foreach", "wrapper_fp32_sum", "wrapper_fp32_clip",
              "wrapper_fp32_mean", "wrapper_fp32_dynamic", "adamw_fused+copy_back",
              "wrapper_bf16_sum", "wrapper_bf16_clip", "wrapper_bf16_mean",
              "wrapper_bf16_dynamic", "wrapper_bf16_sum_separate", "wrapper_bf16_clip_separate",
@@ -52,7 +52,9 @@ def test_quick_run_rows_are_well_formed(quick, capsys):
         assert len(r["times_ms"]) == REPS and all(t > 0 for t in r["times_ms"])
         assert r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
         # every step reached the inner optimizer: warm-up + timed + the tallied one
-        assert r["inner_steps"] == cfg["warmup"] + REPS + 1 and r["skipped_steps"] == 0
+        steps = 0 if r["kind"] == "read" else cfg["warmup"] + REPS + 1
+        assert r["inner_steps"] == steps and r["skipped_steps"] == 0
+        assert len(r["other_clock_times_ms"]) == REPS
         fused, fair = rows["adamw_fused"], rows[r["fair_baseline"]]
         assert r["ratio_vs_adamw_fused"] == pytest.approx(r["median_ms"] / fused["median_ms"])
         assert r["ratio_vs_fair"] == pytest.approx(r["median_ms"] / fair["median_ms"])
@@ -63,7 +65,41 @@ def test_quick_run_rows_are_well_formed(quick, capsys):
     assert rows["wrapper_bf16_sum"]["micro_batches"] == 2
     table = bench_step.format_table(record)
     assert all(name in table for name in ROW_NAMES)
-    assert "x fused" in table and "counted MB" in table
+    assert "x fused" in table and "counted MB" in table and "x floor" in table
+
+
+def test_floor_is_measured_in_the_same_run(quick):
+    """Each wrapper row's floor: the read pass + its inner step (x 32/28 for the bf16 fused
+    master step with AdamW, x 24/20 with SGD), all medians of this run; x floor = median / it."""
+    _, record = quick
+    rows = {r["row"]: r for r in record["rows"]}
+    read = rows["read_pass"]["median_ms"]
+    assert read > 0 and rows["read_pass"]["ratio_vs_floor"] == 1.0
+    assert rows["read_pass"]["model_bytes"] == 4 * record["config"]["numel"]
+    for r in rows.values():
+        if r["kind"] != "wrapper":
+            assert r["floor_factor"] is None
+            continue
+        inner = rows[r["inner_baseline"]]["median_ms"]
+        factor = 1.0 if r["model_dtype"] == "fp32" else 24 / 20 if "sgd" in r["row"] else 32 / 28
+        assert r["floor_factor"] == pytest.approx(factor)
+        assert r["floor_ms"] == pytest.approx(read + factor * inner)
+        assert r["ratio_vs_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
+    assert rows["adamw_fused"]["ratio_vs_floor"] == 1.0
+    assert rows["adamw_fused+copy_back"]["floor_ms"] is None
+
+
+def test_thread_clock(tmp_path):
+    """--clock thread: the thread's CPU time is the figure, the wall clock kept beside it."""
+    out = tmp_path / "t.json"
+    rc = bench_step.main(["--quick", "--device", "cpu", "--reps", "1", "--variants", "sum",
+                          "--no-tally", "--clock", "thread", "--note", "shared box",
+                          "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert rc == 0 and record["config"]["clock"] == "thread"
+    assert record["config"]["note"] == "shared box"
+    assert "thread_time" in record["config"]["timer"]
+    assert all(len(r["other_clock_times_ms"]) == 1 for r in record["rows"])
 
 
 def test_inner_rows_count_what_adamw_moves(quick):
@@ -195,11 +231,12 @@ def test_suites_dispatch_step(tmp_path):
                       "--out", str(out)])
     record = json.loads(out.read_text())
     assert rc == 0
-    assert [r["row"] for r in record["rows"]] == ["adamw_fused", "adamw_foreach",
+    assert [r["row"] for r in record["rows"]] == ["adamw_fused", "read_pass", "adamw_foreach",
                                                   "wrapper_fp32_sum", "adamw_fused+copy_back",
                                                   "wrapper_bf16_sum", "wrapper_bf16_sum_separate",
                                                   *SGD_TAIL]
-    assert all(r["counted"] is None and r["inner_steps"] == 2 for r in record["rows"])
+    assert all(r["counted"] is None and r["inner_steps"] == (r["kind"] != "read") * 2
+               for r in record["rows"])
     assert hasattr(suites.load_suite("train"), "main")
 
 
@@ -247,3 +284,24 @@ def test_a_failing_row_is_recorded_and_the_others_go_on(monkeypatch):
     assert bench_step.row_record(good, 17, args, 4, None)["status"] == "MISMATCH"
     for r in (bad, good, broken):
         r.close()
+
+
+def test_step_phases(tmp_path):
+    """benchmarks/step_phases.py: every phase of a wrapper step timed, the phases inside the
+    window and the window inside the step (CPU time of the same thread: sums cannot exceed)."""
+    from benchmarks import step_phases
+
+    out = tmp_path / "phases.json"
+    rc = step_phases.main(["--workload", "gpt2-tiny", "--reps", "2", "--rows",
+                           "adamw_fused,wrapper_fp32_clip,wrapper_bf16_sum", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert rc == 0 and record["clock"] == "thread"
+    med = record["median_ms"]
+    assert set(med) == {"adamw_fused", "wrapper_fp32_clip", "wrapper_bf16_sum"}
+    assert set(med["adamw_fused"]) == {"step"}  # no wrapper: nothing but the step
+    for name in ("wrapper_fp32_clip", "wrapper_bf16_sum"):
+        for sample in range(2):
+            s = {k: v[sample] for k, v in record["samples_ms"][name].items()}
+            assert s["inner"] <= s["apply"] <= s["window"] <= s["step"]
+            parts = s["take_in"] + s["gather"] + s["decide"] + s["apply"] + s["finish"]
+            assert parts <= s["window"] * 1.001 + 1e-3

@@ -154,7 +154,7 @@ class Step:
             window.normalise(target)
             factor = 1.0
         self.outside.scale(1.0 / (self.scaler.scale * target))
-        views = [v for p, v in zip(self.params, self.intake.views) if window.holds(p)]
+        views = [v for v, held in zip(self.intake.views, window.held(self.params)) if held]
         norm = self.measure(self.sync, views, outside)
         if not bool(torch.isfinite(norm)):
             return None
@@ -186,7 +186,7 @@ class Step:
         if one_pass:
             run = lambda: fused_master.step(self.optimizer, self.masters,  # noqa: E731
                                             write_grad=write_grad)
-        else:
+        elif self.masters.model_params:
             self.masters.resync_changed()
         try:
             with self.masters.swapped():
@@ -312,10 +312,11 @@ class Step:
         """Give the window to the inner optimizer as ``.grad``; returns the params that got an
         own copy in their dtype (``master_weights=False`` with bf16/fp16 params)."""
         cast = []
-        for p, view in zip(self.params, self.intake.views):
-            master = self.masters.get(p)
+        masters = self.masters.masters  # id(param) -> master
+        for p, view, held in zip(self.params, self.intake.views, self.window.held(self.params)):
+            master = masters.get(id(p))
             target = master if master is not None else p
-            if not self.window.holds(p):
+            if not held:
                 target.grad = None  # the inner optimizer skips params without .grad
             elif master is None and p.dtype in LOW_PRECISION:
                 p.grad = view.to(p.dtype)  # master_weights=False: grads in the param dtype

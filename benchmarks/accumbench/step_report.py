@@ -20,6 +20,21 @@ def add_ratios(rows: list[dict]) -> None:
         r["ratio_vs_fair"] = r["median_ms"] / fair["median_ms"] if fair.get("median_ms") else None
         inner = by_name.get(r.get("inner_baseline", "adamw_fused"), {}).get("median_ms")
         r["ratio_vs_inner"] = r["median_ms"] / inner if inner else None
+        add_floor(r, inner, by_name.get("read_pass", {}).get("median_ms"))
+
+
+def add_floor(r: dict, inner: float | None, read: float | None) -> None:
+    """A wrapper row's floor, measured in the same run: ``read_pass + floor_factor x inner``
+    (the inner optimizer alone on fp32 params); the inner optimizers and the read pass are
+    their own floor. ``ratio_vs_floor`` = median / floor."""
+    factor = r.get("floor_factor")
+    if r.get("kind") == "read" or (r.get("kind") == "inner" and r["row"] == r["inner_baseline"]):
+        r["floor_ms"] = r["median_ms"]
+    elif factor is not None and inner and read:
+        r["floor_ms"] = read + factor * inner
+    else:
+        return
+    r["ratio_vs_floor"] = r["median_ms"] / r["floor_ms"]
 
 
 def _f(x: float | None, spec: str) -> str:
@@ -42,9 +57,11 @@ def format_table(record: dict) -> str:
          f"of {c['micro_batches']} micro-batch(es), accumulation_steps="
          f"{c['micro_batches'] if c['declare_n'] else None}; median of {c['reps']} interleaved "
          f"repetitions after {c['warmup']} warm-up; {c['optimizer']}"),
+        f"timer: {c['timer']}" + (f"; {c['note']}" if c.get("note") else ""),
         "",
         (f"{'row':<32} {'model':>5} {'median ms':>10} {'p20':>8} {'p80':>8} {'x fused':>7} "
-         f"{'x fair':>6} {'x inner':>7} {'model MB':>9} {'+MB fair':>8} {'GB/s':>6} {'counted MB':>10} "
+         f"{'x fair':>6} {'x inner':>7} {'floor':>7} {'x floor':>7} {'model MB':>9} "
+         f"{'+MB fair':>8} {'GB/s':>6} {'counted MB':>10} "
          f"{'+MB fair':>8} {'ops':>5} {'items':>5}  status"),
     ]
     for r in record["rows"]:
@@ -53,7 +70,8 @@ def format_table(record: dict) -> str:
             f"{r['row']:<32} {r['model_dtype']:>5} {_f(r['median_ms'], '10.2f'):>10} "
             f"{_f(r['p20_ms'], '8.2f'):>8} {_f(r['p80_ms'], '8.2f'):>8} "
             f"{_f(r['ratio_vs_adamw_fused'], '7.2f'):>7} {_f(r['ratio_vs_fair'], '6.2f'):>6} "
-            f"{_f(r.get('ratio_vs_inner'), '7.2f'):>7} "
+            f"{_f(r.get('ratio_vs_inner'), '7.2f'):>7} {_f(r.get('floor_ms'), '7.2f'):>7} "
+            f"{_f(r.get('ratio_vs_floor'), '7.2f'):>7} "
             f"{r['model_bytes'] / mb:9.1f} {_f(_div(r['model_bytes_vs_fair'], mb), '8.1f'):>8} "
             f"{_f(r['model_gbps'], '6.1f'):>6} "
             f"{_f(_div(counted.get('bytes'), mb), '10.1f'):>10} "
@@ -63,7 +81,10 @@ def format_table(record: dict) -> str:
     lines += ["", ("x fused: median / adamw_fused's; x fair: / the row's fair baseline's "
                    "(adamw_fused for fp32 models, adamw_fused+copy_back for bf16, the sgd_ rows' "
                    "for SGD); x inner: / the row's inner optimizer alone on fp32 params "
-                   "(adamw_fused or sgd_fused: the goal's ratio); _separate: the fused master "
+                   "(adamw_fused or sgd_fused: the goal's ratio); floor (ms): what the row's "
+                   "step cannot avoid, measured in this run: read_pass + inner for an fp32 "
+                   "model, read_pass + 32/28 x inner for a bf16 one (the fused master step's "
+                   "bytes; 24/20 for SGD); x floor: median / floor; _separate: the fused master "
                    "step off (re-sync, step, copy-back); model MB: "
                    "the byte model (see bench_step.py); counted MB, ops, items: one step's aten "
                    "ops under TrafficTally (items: .item()-style reads by the host, each a "
