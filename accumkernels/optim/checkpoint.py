@@ -52,6 +52,7 @@ wrapper reducing over the same ranks loads it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections import defaultdict
@@ -77,9 +78,14 @@ def assemble(parts, intake, agree=None) -> dict:
     """The wrapper's state dict (format 4, see the module docstring). ``intake.views``: what
     shows each param's window; ``agree(own)``: the FSDP2 room's agreed bookkeeping.
 
-    Every key is always there (the window, the masters, and the inner optimizer's state even
-    before its first step, then from a throwaway copy): a checkpoint tool that loads into this
-    state dict as a template (``dcp.load``) finds every key a saved one may bring."""
+    Every param the inner optimizer steps has its state entry (a param without one yet: the
+    state a fresh optimizer is loaded with, listed in ``own["fresh"]``), every bf16/fp16 param
+    its master, and every param its window when the window is not empty (or inside
+    :func:`showing_window`): a checkpoint tool that loads into this state dict as a template
+    (``dcp.load``) finds every key a saved one of the same kind brings. At a boundary it holds
+    what a native optimizer's holds, plus the masters and one JSON string."""
+    parts.masters.current()  # a weight the user wrote since the last step: taken in first
+    parts.masters.fp32_state()
     sd = parts.optimizer.state_dict()
     own = {
         "version": VERSION,
@@ -89,18 +95,25 @@ def assemble(parts, intake, agree=None) -> dict:
         "inner_state": bool(sd["state"]),
         "masters": bool(parts.masters.model_params),
     }
-    if not sd["state"]:
-        sd["state"] = live.template_state(parts)
     state, index = sd["state"], _index(parts)
+    inner = [p for g in parts.optimizer.param_groups for p in g["params"]]
+    stateless = {id(p) for i, p in enumerate(inner) if i not in state and p.requires_grad}
+    if stateless:  # (an empty entry where the optimizer keeps no state: what DCP's strict
+        fresh = live.template_state(parts, only=stateless)  # loading needs for every param)
+        state.update({i: fresh.get(i, {}) for i, p in enumerate(inner) if id(p) in stateless})
+        if fresh:
+            own["fresh"] = sorted(fresh)
     own["found_inf"] = float(own["found_inf"].item())
     extra = {id(p): {MASTER_KEY: m.detach()} for p, m in zip(parts.masters.model_params,
                                                             parts.masters.master_list())}
-    for p, view in zip(parts.params, intake.views):  # a copy: a tool loading into this dict as
-        extra.setdefault(id(p), {})[WINDOW_KEY] = view.detach().clone()  # a template writes it
-        # before load_state_dict, while DCP's state init may still run a backward-less step
+    window = parts.window
+    if not window.empty or getattr(parts, "show_window", False):
+        for p, view in zip(parts.params, intake.views):  # a copy: a tool loading into this
+            extra.setdefault(id(p), {})[WINDOW_KEY] = view.detach().clone()  # dict as a
+            # template writes it before load_state_dict, while DCP's state init may still run
+            # a backward-less step
     for key, entries in extra.items():
         state[index[key]] = {**state.get(index[key], {}), **entries}
-    window = parts.window
     if not window.empty:
         own["window"] = window.state_dict(parts.params)
         local = parts.sync.rank_local_window()
@@ -116,6 +129,18 @@ def assemble(parts, intake, agree=None) -> dict:
     for group in sd["param_groups"]:  # keys (DCP) then match a template's whatever it holds
         group[OWN_KEY] = packed
     return sd
+
+
+@contextlib.contextmanager
+def showing_window(parts):
+    """``state_dict()`` inside the block holds every param's window also at a window boundary
+    (zeros): the template a checkpoint taken in the middle of a window loads into."""
+    before = getattr(parts, "show_window", False)
+    parts.show_window = True
+    try:
+        yield
+    finally:
+        parts.show_window = before
 
 
 _RANK_LOCAL_SAVED = (
@@ -165,10 +190,12 @@ _STRIPPED_STATE = (
     "flattening, or with opt.load_state_dict() of what opt.state_dict() saved")
 _NO_WINDOW = (
     "load_state_dict: this checkpoint was taken in the middle of a window of {n} micro-batch(es), "
-    "but the gradients of that window are missing for {missing} (they were not saved, or the "
-    "template it was loaded into had no window: with torch.distributed.checkpoint, load into "
-    "the state dict of a wrapper that is itself inside a window, e.g. after one backward, or "
-    "save at a window boundary, after step())")
+    "but the window's gradients are missing for {missing}: the template it was loaded into was "
+    "built at a window boundary, where state_dict() holds no window (or a tool dropped them). "
+    "Nothing of the optimizer's own state was changed. With torch.distributed.checkpoint, build "
+    "the template inside `with opt.window_template():` (get_state_dict / opt.state_dict() then "
+    "hold the window), dcp.load into it again and load that; or checkpoint at a window "
+    "boundary, after step()")
 
 
 def _own_of(sd: dict):
@@ -221,23 +248,32 @@ def _from_v4(parts, sd: dict, own: object) -> dict:
     inner = _strip(sd)
     if own.get("inner_state") is False:  # saved before the inner optimizer had any state
         inner = {**inner, "state": {}}
+    elif own.get("fresh"):  # entries standing for "no state yet" (a fresh optimizer's)
+        saved = list(chain.from_iterable(g.get("params", ()) for g in sd["param_groups"]))
+        fresh = {saved[i] for i in own["fresh"] if isinstance(i, int) and 0 <= i < len(saved)}
+        inner = {**inner, "state": {k: v for k, v in inner["state"].items() if k not in fresh}}
     masters = [entry(p).get(MASTER_KEY) for p in parts.masters.model_params]
     if own.get("masters") and any(m is None for m in masters):
         raise ValueError(_STRIPPED_STATE.format(what="fp32 master weights"))
+    mine = {id(p) for p in parts.masters.model_params}
     old = {**own, "optimizer": inner,
            "master_weights": masters,
-           "window_views": None, "window": own.get("window")}
+           "window_views": None, "window": own.get("window"),
+           "unused_masters": [parts.names.get(id(p), f"param {i}")
+                              for i, p in enumerate(parts.params)
+                              if id(p) not in mine and MASTER_KEY in entry(p)]}
     window = own.get("window")
     views = [entry(p).get(WINDOW_KEY) for p in parts.params]
     if window is None and all(v is not None for v in views):
         old["window_views"] = views  # a boundary: taken as saved, nothing held
     if window is not None:
-        touched = window.get("touched", []) if isinstance(window, dict) else []
-        missing = [parts.names.get(id(parts.params[i]), f"param {i}") for i in touched
-                   if isinstance(i, int) and 0 <= i < len(views) and views[i] is None]
+        missing = [parts.names.get(id(p), f"param {i}") for i, p in enumerate(parts.params)
+                   if views[i] is None]
         if missing:
-            raise ValueError(_NO_WINDOW.format(n=window.get("micro_steps"),
-                                               missing=", ".join(missing[:3])))
+            raise ValueError(_NO_WINDOW.format(n=window.get("micro_steps")
+                                               if isinstance(window, dict) else "?",
+                                               missing=", ".join(missing[:3])
+                                               + (" ..." if len(missing) > 3 else "")))
         old["window_views"] = views
     return old
 
@@ -286,7 +322,8 @@ def _parse(parts, sd: object) -> dict:
     views = old.get("window_views")
     return {
         "inner": old["optimizer"],
-        "masters": parts.masters.parse(old["master_weights"]),
+        "masters": parts.masters.parse(old["master_weights"], parts.names),
+        "unused_masters": old.get("unused_masters", []),
         "buffers": None if window is None or views is not None
         else _parse_buffers(parts, old["main_grad"]),
         "views": None if views is None else _parse_views(parts, views),
@@ -366,6 +403,18 @@ def restore(parts, intake, step, sd: dict) -> None:
         parts.scaler.load(parsed["scaler"])
     intake.hide_all()
     intake.expose()
+    unused = parsed.get("unused_masters")
+    if unused:
+        warnings.warn(_MASTERS_DROPPED.format(n=len(unused), names=", ".join(unused[:3])),
+                      stacklevel=4)
+
+
+_MASTERS_DROPPED = (
+    "load_state_dict: the checkpoint holds fp32 master weights for {n} param(s) ({names}, ...) "
+    "that this AccumulatingOptimizer (master_weights=False) has no place for: they are not "
+    "loaded, and the model keeps its own low-precision weights (the masters' extra bits are "
+    "lost, and the moments step those weights from now on). Build the wrapper with "
+    "master_weights=True (or 'auto') to resume them")
 
 
 def _copy_views(parts, views: list) -> None:

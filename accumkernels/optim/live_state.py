@@ -31,6 +31,8 @@ from itertools import chain
 
 import torch
 
+from accumkernels._util import LOW_PRECISION
+
 OWN_KEY = "accumkernels"
 MASTER_KEY = "accumkernels_master"
 WINDOW_KEY = "accumkernels_window"
@@ -105,7 +107,7 @@ class LiveState(MutableMapping):
 
     def __setitem__(self, key, value) -> None:
         i = self._managed(key)
-        if i is None:
+        if i is None or not isinstance(value, Mapping):
             self.inner[key] = value
             return
         entry = ParamState(self, self._intake.params[i], i)
@@ -113,48 +115,49 @@ class LiveState(MutableMapping):
             if k in value:
                 entry[k] = value[k]
         own = {k: v for k, v in value.items() if k not in EXTRA_KEYS}
-        if entry.entry is None and own.keys() == entry.template.keys() and all(
-                _same(entry.template[k], v, key) for k, v in own.items()):
+        if entry.entry is None and (not own or own.keys() == entry.template.keys() and all(
+                _same(entry.template[k], v, key) for k, v in own.items())):
             return  # the shown entry written back (a tool moving the state to a device)
         self.inner[key] = own
+        self._parts.masters.fp32_state()
 
+    # The keys are the inner optimizer's (the params it holds state for), as natively: a param
+    # without inner state is not "in" the state, and every dict operation means what it means on
+    # a torch optimizer's ``state``. Only ``opt.state[p]`` of a managed param without state shows
+    # the keys its state will have (and the wrapper's tensors), without creating an entry.
     def __delitem__(self, key) -> None:
-        if self._managed(key) is not None:
-            self.inner.pop(key, None)  # the extra keys stay: they are the wrapper's tensors
-            return
-        del self.inner[key]
+        del self.inner[key]  # (the extra keys stay: they are the wrapper's tensors)
 
     def __iter__(self) -> Iterator:
-        yield from self._intake.params
-        managed = self._idx.managed
-        yield from (k for k in list(self.inner)
-                    if not (isinstance(k, torch.Tensor) and id(k) in managed))
+        return iter(self.inner)
 
     def __len__(self) -> int:
-        managed = self._idx.managed
-        return len(managed) + sum(1 for k in self.inner
-                                  if not (isinstance(k, torch.Tensor) and id(k) in managed))
+        return len(self.inner)
 
     def __bool__(self) -> bool:
+        # True for a wrapper with params, also before its first step: DCP's
+        # get/set_optimizer_state_dict would otherwise run its lr=0 "init" step through the
+        # wrapper (a micro-batch of zeros in the window); the wrapper's state_dict() carries the
+        # template state itself.
         return bool(self._idx.managed) or bool(self.inner)
 
     def __contains__(self, key) -> bool:
-        return self._managed(key) is not None or key in self.inner
+        return key in self.inner
 
     def get(self, key, default=None):
-        if self._managed(key) is not None:
-            return self[key]
-        return self.inner.get(key, default)  # (never creates an entry)
+        return self[key] if key in self.inner else default  # (never creates an entry)
 
     def pop(self, key, *default):
-        if self._managed(key) is None:
-            return self.inner.pop(key, *default)
-        value = dict(self[key])
-        del self[key]
-        return value
+        return self.inner.pop(key, *default)
+
+    def popitem(self):
+        return self.inner.popitem()
+
+    def clear(self) -> None:
+        self.inner.clear()
 
     def setdefault(self, key, default=None):
-        if key not in self:
+        if key not in self.inner:
             self[key] = default
         return self[key]
 
@@ -164,9 +167,9 @@ class LiveState(MutableMapping):
     # -- what the entries need --------------------------------------------------------------------
     def extras(self, p: torch.Tensor, i: int) -> dict[str, torch.Tensor]:
         out = {}
-        master = self._parts.masters.get(p)
-        if master is not None:
-            out[MASTER_KEY] = master.detach()
+        master = self._parts.masters.current(p)  # (with the weight the user wrote taken in)
+        if master:
+            out[MASTER_KEY] = master[0].detach()
         out[WINDOW_KEY] = self._intake.views[i].detach()
         return out
 
@@ -216,6 +219,8 @@ class ParamState(MutableMapping):
             self.entry = self._live.inner[self._p]
             self.template = {}
         self.entry[key] = value
+        if torch.is_tensor(value) and value.dtype in LOW_PRECISION:
+            self._live._parts.masters.fp32_state()  # (a param with a master: its state is fp32)
 
     def __delitem__(self, key) -> None:
         if key in self.extras:
@@ -292,20 +297,28 @@ def _template_keys(parts) -> dict:
 
 
 @torch.no_grad()
-def template_state(parts, meta: bool = False) -> dict:
-    """The state an inner optimizer without any gets from an lr=0 step on zero gradients (what
-    ``get_state_dict`` creates for a fresh native optimizer), taken on a copy over copies of
-    the params: the live optimizer, params and masters are untouched. ``meta``: over ``meta``
-    copies with the plain (single-tensor) implementation, for its keys and shapes only; an
-    optimizer whose step needs values then raises."""
+def template_state(parts, meta: bool = False, only: set[int] | None = None) -> dict:
+    """The state a fresh inner optimizer would be loaded with: an lr=0 step on zero gradients
+    (what ``get_state_dict`` does to a fresh native optimizer) with each ``step`` set back to 0,
+    so that a native optimizer loading it takes its first step as a fresh one does (AdamW's
+    zero moments at step 0; SGD's zero momentum buffer). Keyed by position over the inner
+    optimizer's groups; ``only``: the ids of the params wanted (default: all). Taken on a copy
+    over copies of the params: the live optimizer, params and masters are untouched. ``meta``:
+    over ``meta`` copies with the plain (single-tensor) implementation, for its keys and shapes
+    only; an optimizer whose step needs values then raises."""
     inner = parts.optimizer
     step = getattr(type(inner).step, "__wrapped__", type(inner).step)
+    want = [only is None or id(p) in only for g in inner.param_groups for p in g["params"]]
     with parts.masters.swapped():  # over the fp32 masters: the template state is fp32 too
-        clones = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta") if meta
-                                            else p.detach().clone(), requires_grad=p.requires_grad)
-                  for g in inner.param_groups for p in g["params"]}
-        groups = [{**g, "params": [clones[id(p)] for p in g["params"]]}
-                  for g in inner.param_groups]
+        positions = [torch.nn.Parameter(torch.empty_like(p, device="meta") if meta
+                                        else p.detach().clone(), requires_grad=p.requires_grad)
+                     if w else None
+                     for p, w in zip((p for g in inner.param_groups for p in g["params"]), want)]
+        sizes = [len(g["params"]) for g in inner.param_groups]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    groups = [{**g, "params": [c for c in positions[a:a + n] if c is not None]}
+              for g, a, n in zip(inner.param_groups, starts, sizes)]
+    clones = [c for c in positions if c is not None]
     copy = object.__new__(type(inner))
     copy.__dict__.update({k: v for k, v in inner.__dict__.items()
                           if not k.startswith("_accumkernels")})
@@ -317,7 +330,7 @@ def template_state(parts, meta: bool = False) -> dict:
                                             if torch.is_tensor(g["lr"]) else 0.0}
                                            if "lr" in g else {})} for g in groups]
     copy.state = defaultdict(dict)
-    for c in clones.values():
+    for c in clones:
         c.grad = torch.zeros_like(c) if c.requires_grad else None
     try:
         step(copy)
@@ -325,4 +338,6 @@ def template_state(parts, meta: bool = False) -> dict:
         if meta:
             raise
         return {}
-    return copy.state_dict()["state"]
+    return {i: {k: (torch.zeros_like(v) if torch.is_tensor(v) else type(v)(0)) if k == "step"
+                else v for k, v in copy.state[c].items()}
+            for i, c in enumerate(positions) if c is not None and copy.state.get(c)}
