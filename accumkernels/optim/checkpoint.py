@@ -53,6 +53,7 @@ wrapper reducing over the same ranks loads it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import warnings
 from collections import defaultdict
@@ -66,6 +67,12 @@ from accumkernels.optim.live_state import LIVE, MASTER_KEY, OWN_KEY, WINDOW_KEY
 from accumkernels.optim.window import Window
 
 VERSION = 4  # OWN_KEY: per group (format 4); the top-level key of format 3
+
+
+def _shapes_digest(params: list) -> str:
+    """The managed params' shapes, in order, as a short digest (checked at load)."""
+    text = json.dumps([list(p.shape) for p in params])
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
 
 
 def _index(parts) -> dict[int, int]:
@@ -89,7 +96,8 @@ def assemble(parts, intake, agree=None) -> dict:
     sd = parts.optimizer.state_dict()
     own = {
         "version": VERSION,
-        "param_shapes": [list(p.shape) for p in parts.params],
+        "shapes": _shapes_digest(parts.params),  # (fixed size: DCP's flattening repeats it
+        # for every param)
         "loss_scale": parts.scaler.state_dict(),
         **parts.nonfinite.state_dict(),
         "inner_state": bool(sd["state"]),
@@ -312,7 +320,8 @@ def _parse(parts, sd: object) -> dict:
     if missing:
         raise ValueError(f"load_state_dict: the state_dict lacks {missing}")
     shapes = old.get("param_shapes")
-    if shapes is not None and [list(s) for s in shapes] != [list(p.shape) for p in parts.params]:
+    if shapes is not None and [list(s) for s in shapes] != [list(p.shape) for p in parts.params] \
+            or old.get("shapes", _shapes_digest(parts.params)) != _shapes_digest(parts.params):
         raise ValueError("load_state_dict: param_shapes does not match this optimizer's params "
                          "(a checkpoint of a different model?)")
     window = old["window"]
