@@ -114,11 +114,7 @@ class LiveState(MutableMapping):
         for k in entry.extras:
             if k in value:
                 entry[k] = value[k]
-        own = {k: v for k, v in value.items() if k not in EXTRA_KEYS}
-        if entry.entry is None and (not own or own.keys() == entry.template.keys() and all(
-                _same(entry.template[k], v, key) for k, v in own.items())):
-            return  # the shown entry written back (a tool moving the state to a device)
-        self.inner[key] = own
+        self.inner[key] = {k: v for k, v in value.items() if k not in EXTRA_KEYS}
         self._parts.masters.fp32_state()
 
     # The keys are the inner optimizer's (the params it holds state for), as natively: a param
@@ -188,8 +184,7 @@ class ParamState(MutableMapping):
     def __init__(self, live: LiveState, p: torch.Tensor, i: int):
         self._live, self._p = live, p
         self.extras = live.extras(p, i)
-        entry = live.inner.get(p)
-        self.entry = entry if entry else None
+        self.entry = live.inner.get(p)  # (None: no entry yet; an empty one shows empty)
         self.template = live.template(p) if self.entry is None else {}
 
     def inner_part(self) -> dict:
@@ -213,10 +208,8 @@ class ParamState(MutableMapping):
         if key in self.extras:
             _write_extra(key, self.extras[key], value)
             return
-        if self.entry is None:
-            if key in self.template and _same(self.template[key], value, self._p):
-                return  # its own shown value written back (a tool moving the state)
-            self.entry = self._live.inner[self._p]
+        if self.entry is None:  # (created, as natively; a tool moving the state to a device
+            self.entry = self._live.inner[self._p]  # writes back only the entries that exist)
             self.template = {}
         self.entry[key] = value
         if torch.is_tensor(value) and value.dtype in LOW_PRECISION:
@@ -257,16 +250,6 @@ def _materialise(value, p: torch.Tensor):
     if isinstance(value, _Zeros):
         return torch.zeros(value.shape, dtype=value.dtype, device=p.device)
     return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def _same(shown, value, p: torch.Tensor) -> bool:
-    if isinstance(shown, _Zeros):
-        return isinstance(value, torch.Tensor) and value.shape == shown.shape \
-            and value.dtype == shown.dtype and not value.any().item()
-    if isinstance(shown, torch.Tensor):
-        return isinstance(value, torch.Tensor) and value.shape == shown.shape \
-            and torch.equal(value.to(shown.device), shown)
-    return shown == value
 
 
 @torch.no_grad()
