@@ -5,11 +5,17 @@ inside what every checkpoint tool already carries (format 4):
 
 * ``state[i]``: the inner optimizer's state of param ``i`` (keyed like the model's params, so
   ``torch.distributed.checkpoint`` maps it to the parameter names, flattens, reshards and
-  offloads it; before the inner optimizer's first step the state an lr=0 step would create),
-  plus ``"accumkernels_master"`` (the fp32 master of a bf16/fp16 param) and
-  ``"accumkernels_window"`` (the param's fp32 window, or its FSDP2 shard; zeros between
-  windows): every key always there, so the state dict of a fresh wrapper is a template that a
-  tool loading into it (``dcp.load``) fills completely;
+  offloads it; for a param without any yet, the state a fresh optimizer is loaded with: an
+  lr=0 step's with ``step`` 0, listed in the bookkeeping's ``"fresh"`` and not loaded back into
+  the wrapper's inner optimizer; a native optimizer takes it as a fresh one), plus
+  ``"accumkernels_master"`` (the fp32 master of a bf16/fp16 param, with any weight the user
+  wrote since the last step taken in) and, in the middle of a window only,
+  ``"accumkernels_window"`` (the param's fp32 window, or its FSDP2 shard). At a window boundary
+  the state dict holds what a native optimizer's holds plus the masters and one string. A tool
+  loading into a state dict as a template (``dcp.load``) reads only the keys the template has:
+  a template built at a boundary cannot receive a mid-window checkpoint's window, and loading
+  the result is refused (ValueError naming the recipe); one built inside
+  :func:`showing_window` (``opt.window_template()``) holds every window (zeros) and can;
 * ``param_groups[g]["accumkernels"]``: the bookkeeping (format version, param shapes, window
   counts and weights, loss-scale state, non-finite counters) as one JSON string, the same in
   every group (one opaque leaf, so a tool that loads into a template matches its keys).
@@ -17,11 +23,11 @@ inside what every checkpoint tool already carries (format 4):
 The live optimizer shows the same keys (``opt.state[p]``, ``opt.param_groups``:
 live_state.py), so a tool that rebuilds the loaded state dict from the keys the loading optimizer
 has finds them all. Carried, mid-window included, bit-identical to not stopping (tests in
-tests/optim/test_checkpoint_dcp.py and tests/distributed/): ``torch.save`` (weights_only);
-``get_state_dict``/``set_state_dict`` with the default options, ``full_state_dict``,
-``cpu_offload``, ``flatten_optimizer_state_dict`` and their combinations; ``dcp.save``/
-``dcp.load`` into a fresh wrapper's state dict (flattened or not; under FSDP2 resharded to
-another world size). One combination is torch's own limit: ``set_state_dict`` with
+tests/optim/test_checkpoint_dcp.py, tests/integrations/test_checkpoint_size.py and
+tests/distributed/): ``torch.save`` (weights_only); ``get_state_dict``/``set_state_dict`` with
+the default options, ``full_state_dict``, ``cpu_offload``, ``flatten_optimizer_state_dict`` and
+their combinations; ``dcp.save``/``dcp.load`` into a template (flattened or not; under FSDP2
+resharded to another world size). One combination is torch's own limit: ``set_state_dict`` with
 ``flatten_optimizer_state_dict`` and ``full_state_dict`` together raises KeyError in torch 2.13
 for every optimizer, native ones too; load such a checkpoint with ``flatten`` alone.
 
@@ -35,8 +41,10 @@ strips what it does not know, or a template built without the window) is refused
 ValueError naming what is lost, never taken as an empty window.
 
 ``restore`` first parses every piece (raising ``ValueError`` on anything that does not fit this
-wrapper), then loads the inner optimizer with a rollback, and only then writes the rooms: a
-state that fails changes nothing. Format 3 (the wrapper's parts under a top-level
+wrapper, a master holding NaN/inf included), then loads the inner optimizer with a rollback
+(re-keyed to the model's params on the way out, loaded or rolled back), and only then writes the
+rooms: a state that fails changes nothing. Masters that a wrapper built with
+``master_weights=False`` has no place for are dropped with a warning naming them. Format 3 (the wrapper's parts under a top-level
 ``"accumkernels"`` key) and formats 1 and 2 (everything at the top level, the inner state under
 ``"optimizer"``) still load.
 
@@ -53,27 +61,16 @@ wrapper reducing over the same ranks loads it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import warnings
 from collections import defaultdict
 from itertools import chain
 
 import torch
-import torch.distributed as dist
 
 from accumkernels.optim import live_state as live
-from accumkernels.optim.live_state import LIVE, MASTER_KEY, OWN_KEY, WINDOW_KEY
-from accumkernels.optim.window import Window
-
-VERSION = 4  # OWN_KEY: per group (format 4); the top-level key of format 3
-
-
-def _shapes_digest(params: list) -> str:
-    """The managed params' shapes, in order, as a short digest (checked at load)."""
-    text = json.dumps([list(p.shape) for p in params])
-    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
-
+from accumkernels.optim.checkpoint_parse import VERSION, parse, shapes_digest
+from accumkernels.optim.live_state import MASTER_KEY, OWN_KEY, WINDOW_KEY
 
 def _index(parts) -> dict[int, int]:
     """id(param) -> its key in ``state`` (its position over the inner optimizer's groups)."""
@@ -96,7 +93,7 @@ def assemble(parts, intake, agree=None) -> dict:
     sd = parts.optimizer.state_dict()
     own = {
         "version": VERSION,
-        "shapes": _shapes_digest(parts.params),  # (fixed size: DCP's flattening repeats it
+        "shapes": shapes_digest(parts.params),  # (fixed size: DCP's flattening repeats it
         # for every param)
         "loss_scale": parts.scaler.state_dict(),
         **parts.nonfinite.state_dict(),
@@ -117,9 +114,9 @@ def assemble(parts, intake, agree=None) -> dict:
     window = parts.window
     if not window.empty or getattr(parts, "show_window", False):
         for p, view in zip(parts.params, intake.views):  # a copy: a tool loading into this
-            extra.setdefault(id(p), {})[WINDOW_KEY] = view.detach().clone()  # dict as a
-            # template writes it before load_state_dict, while DCP's state init may still run
-            # a backward-less step
+            extra.setdefault(id(p), {})[WINDOW_KEY] = (  # dict as a template writes it before
+                view.detach().clone() if not window.empty  # load_state_dict, while DCP's state
+                else torch.zeros_like(view))  # init may still run a backward-less step
     for key, entries in extra.items():
         state[index[key]] = {**state.get(index[key], {}), **entries}
     if not window.empty:
@@ -159,207 +156,6 @@ _RANK_LOCAL_SAVED = (
     "save_state, the HF Trainer) must checkpoint at a window boundary (after step())")
 
 
-def _check_rank(parts, window: dict) -> None:
-    """A rank-local window loads only on the rank (and world size) that saved it."""
-    if "rank" not in window:
-        return
-    saved = (window["rank"], window["world"])
-    here = parts.sync.rank_local_window()
-    here = here if here is not None else ((dist.get_rank(), dist.get_world_size())
-                                          if dist.is_available() and dist.is_initialized()
-                                          else (0, 1))
-    if tuple(saved) != tuple(here):
-        raise ValueError(
-            f"load_state_dict: this checkpoint was taken in the middle of a window and holds "
-            f"rank {saved[0]}'s window of a {saved[1]}-rank job (not yet reduced across the "
-            f"ranks); this process is rank {here[0]} of {here[1]}. Each rank must load the state "
-            "dict it saved itself; a checkpoint saved by rank 0 only (Accelerate's save_state, "
-            "the HF Trainer) must be taken at a window boundary, after step()")
-
-
-def _parse_buffers(parts, saved: object) -> list[torch.Tensor]:
-    mine = list(parts.window.storage.buffers.values())
-    if not isinstance(saved, (list, tuple)) or len(saved) != len(mine) or any(
-            not isinstance(t, torch.Tensor) or t.shape != m.shape for t, m in zip(saved, mine)):
-        raise ValueError("load_state_dict: main_grad does not match this optimizer's params")
-    return [t.detach().clone() for t in saved]
-
-
-_STRIPPED = (
-    "load_state_dict: this state dict carries AccumulatingOptimizer's per-param {what} but not "
-    "its bookkeeping (param_groups[...]['accumkernels'] is missing: the tool that saved or loaded "
-    "it dropped unknown param_group keys); the window counts, weights and loss-scale state "
-    "are lost. Save with opt.state_dict() (torch.save), or a tool that keeps param_groups whole")
-_STRIPPED_STATE = (
-    "load_state_dict: this state dict lost AccumulatingOptimizer's {what} (per-param entries "
-    "'accumkernels_*' of 'state'), which its bookkeeping says were saved: the tool that "
-    "loaded it kept only the state keys the optimizer had before loading (e.g. "
-    "torch.distributed.checkpoint with flatten_optimizer_state_dict=True). Load without "
-    "flattening, or with opt.load_state_dict() of what opt.state_dict() saved")
-_NO_WINDOW = (
-    "load_state_dict: this checkpoint was taken in the middle of a window of {n} micro-batch(es), "
-    "but the window's gradients are missing for {missing}: the template it was loaded into was "
-    "built at a window boundary, where state_dict() holds no window (or a tool dropped them). "
-    "Nothing of the optimizer's own state was changed. With torch.distributed.checkpoint, build "
-    "the template inside `with opt.window_template():` (get_state_dict / opt.state_dict() then "
-    "hold the window), dcp.load into it again and load that; or checkpoint at a window "
-    "boundary, after step()")
-
-
-def _own_of(sd: dict):
-    """The format-4 bookkeeping of a state dict (first group's, a JSON string), or None."""
-    groups = sd.get("param_groups")
-    if isinstance(groups, list):
-        for g in groups:
-            if isinstance(g, dict) and g.get(OWN_KEY, LIVE) != LIVE:
-                own = g[OWN_KEY]
-                try:
-                    return json.loads(own) if isinstance(own, (str, bytes)) else own
-                except ValueError:
-                    raise ValueError("load_state_dict: malformed 'accumkernels' bookkeeping in "
-                                     "param_groups") from None
-    return None
-
-
-def _strip(sd: dict) -> dict:
-    """The inner optimizer's part of a format-4 state dict (the wrapper's keys removed, and the
-    empty dicts ``torch.distributed.checkpoint``'s unflattening makes of the keys a loading
-    optimizer shows but the checkpoint lacks)."""
-    state = {k: {n: v for n, v in entry.items() if n not in (MASTER_KEY, WINDOW_KEY)
-                 and not (isinstance(v, dict) and not v)}
-             if isinstance(entry, dict) else entry for k, entry in sd["state"].items()}
-    state = {k: v for k, v in state.items() if not isinstance(v, dict) or v}
-    groups = [{k: v for k, v in g.items() if k != OWN_KEY} for g in sd["param_groups"]]
-    return {**sd, "state": state, "param_groups": groups}
-
-
-def _saved_keys(parts, sd: dict) -> dict[int, object]:
-    """id(param) -> its key in the saved ``state``, by position over the groups, as torch's
-    ``load_state_dict`` maps them (ints from ``state_dict()``, parameter names from DCP)."""
-    saved = chain.from_iterable(g.get("params", ()) for g in sd["param_groups"])
-    mine = chain.from_iterable(g["params"] for g in parts.optimizer.param_groups)
-    return {id(p): k for k, p in zip(saved, mine)}
-
-
-def _from_v4(parts, sd: dict, own: object) -> dict:
-    """Format 4 in the form of the older formats' pieces (checked in ``_parse``)."""
-    if not isinstance(own, dict) or own.get("version") != VERSION:
-        version = own.get("version") if isinstance(own, dict) else None
-        raise ValueError(f"load_state_dict: checkpoint format version {version!r} is not "
-                         f"supported (this accumkernels writes version {VERSION})")
-    index, state = _saved_keys(parts, sd), sd["state"]
-
-    def entry(p) -> dict:  # (an empty dict: what DCP's unflattening makes of a missing key)
-        saved = state.get(index.get(id(p)), {})
-        return {k: v for k, v in saved.items() if not (isinstance(v, dict) and not v)} \
-            if isinstance(saved, dict) else {}
-    inner = _strip(sd)
-    if own.get("inner_state") is False:  # saved before the inner optimizer had any state
-        inner = {**inner, "state": {}}
-    elif own.get("fresh"):  # entries standing for "no state yet" (a fresh optimizer's)
-        saved = list(chain.from_iterable(g.get("params", ()) for g in sd["param_groups"]))
-        fresh = {saved[i] for i in own["fresh"] if isinstance(i, int) and 0 <= i < len(saved)}
-        inner = {**inner, "state": {k: v for k, v in inner["state"].items() if k not in fresh}}
-    masters = [entry(p).get(MASTER_KEY) for p in parts.masters.model_params]
-    if own.get("masters") and any(m is None for m in masters):
-        raise ValueError(_STRIPPED_STATE.format(what="fp32 master weights"))
-    mine = {id(p) for p in parts.masters.model_params}
-    old = {**own, "optimizer": inner,
-           "master_weights": masters,
-           "window_views": None, "window": own.get("window"),
-           "unused_masters": [parts.names.get(id(p), f"param {i}")
-                              for i, p in enumerate(parts.params)
-                              if id(p) not in mine and MASTER_KEY in entry(p)]}
-    window = own.get("window")
-    views = [entry(p).get(WINDOW_KEY) for p in parts.params]
-    if window is None and all(v is not None for v in views):
-        old["window_views"] = views  # a boundary: taken as saved, nothing held
-    if window is not None:
-        missing = [parts.names.get(id(p), f"param {i}") for i, p in enumerate(parts.params)
-                   if views[i] is None]
-        if missing:
-            raise ValueError(_NO_WINDOW.format(n=window.get("micro_steps")
-                                               if isinstance(window, dict) else "?",
-                                               missing=", ".join(missing[:3])
-                                               + (" ..." if len(missing) > 3 else "")))
-        old["window_views"] = views
-    return old
-
-
-def _parse(parts, sd: object) -> dict:
-    """The pieces of a v4, v3, v1/v2 or native state dict, checked; and the inner optimizer's."""
-    if isinstance(sd, dict) and OWN_KEY in sd:  # format 3
-        own = sd[OWN_KEY]
-        if not isinstance(own, dict) or own.get("version") != 3:
-            version = own.get("version") if isinstance(own, dict) else None
-            raise ValueError(f"load_state_dict: checkpoint format version {version!r} is not "
-                             f"supported (this accumkernels writes version {VERSION})")
-        inner = {k: v for k, v in sd.items() if k != OWN_KEY}
-        window = own.get("window")
-        old = {**own, "optimizer": inner, "main_grad": window["main_grad"] if window else None,
-               "window": window}
-    elif isinstance(sd, dict) and all(k in sd for k in ("optimizer", "master_weights",
-                                                        "main_grad", "window")):
-        old = sd
-        if sd.get("version", 1) not in (1, 2):
-            raise ValueError(f"load_state_dict: checkpoint format version {sd['version']!r} is "
-                             f"not supported (this accumkernels writes version {VERSION})")
-    elif isinstance(sd, dict) and "state" in sd and "param_groups" in sd:
-        own = _own_of(sd)
-        if own is None:
-            for key, what in ((WINDOW_KEY, "window gradients"), (MASTER_KEY, "master weights")):
-                if any(isinstance(e, dict) and key in e for e in sd["state"].values()):
-                    raise ValueError(_STRIPPED.format(what=what))
-            return {"inner": sd, "native": True}  # a native optimizer's: masters from the model
-        old = _from_v4(parts, sd, own)
-    else:
-        raise ValueError("load_state_dict: neither an optimizer state dict (no 'state' and "
-                         "'param_groups') nor an AccumulatingOptimizer checkpoint")
-    missing = [k for k in ("master_weights", "found_inf", "loss_scale", "skipped_steps",
-                           "skipped_microbatches") if k not in old]
-    if missing:
-        raise ValueError(f"load_state_dict: the state_dict lacks {missing}")
-    shapes = old.get("param_shapes")
-    if shapes is not None and [list(s) for s in shapes] != [list(p.shape) for p in parts.params] \
-            or old.get("shapes", _shapes_digest(parts.params)) != _shapes_digest(parts.params):
-        raise ValueError("load_state_dict: param_shapes does not match this optimizer's params "
-                         "(a checkpoint of a different model?)")
-    window = old["window"]
-    if isinstance(window, dict):
-        _check_rank(parts, window)
-        parts.sync.check_summed(list(window.get("summed", [])))
-    views = old.get("window_views")
-    return {
-        "inner": old["optimizer"],
-        "masters": parts.masters.parse(old["master_weights"], parts.names),
-        "unused_masters": old.get("unused_masters", []),
-        "buffers": None if window is None or views is not None
-        else _parse_buffers(parts, old["main_grad"]),
-        "views": None if views is None else _parse_views(parts, views),
-        "window": None if window is None else Window.parse(window, parts.params),
-        "summed": list(window.get("summed", [])) if isinstance(window, dict) else [],
-        "nonfinite": parts.nonfinite.parse(old),
-        "scaler": parts.scaler.parse(old["loss_scale"]),
-    }
-
-
-def _parse_views(parts, saved: list) -> list[torch.Tensor | None]:
-    """Per-param saved windows (DTensors: this rank's shard) checked against this storage."""
-    out = []
-    for i, (p, t) in enumerate(zip(parts.params, saved)):
-        if t is None:
-            out.append(None)
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        mine = parts.window.storage.view(p)
-        if not isinstance(local, torch.Tensor) or local.shape != mine.shape:
-            raise ValueError(f"load_state_dict: the saved window of param {i} has shape "
-                             f"{tuple(getattr(local, 'shape', ()))}, this one's is "
-                             f"{tuple(mine.shape)}")
-        out.append(local.detach().clone())
-    return out
-
-
 def _check_inner_shapes(optimizer: torch.optim.Optimizer) -> None:
     """A loaded state tensor with a param's size but another shape: a different model."""
     for group in optimizer.param_groups:
@@ -387,7 +183,7 @@ def restore(parts, intake, step, sd: dict) -> None:
     """Load ``sd`` into the rooms: everything is parsed and the inner optimizer loaded (with a
     rollback) before any room changes."""
     intake.settle()
-    parsed = _parse(parts, sd)
+    parsed = parse(parts, sd)
     with parts.masters.swapped():  # the inner state of bf16/fp16 params is the masters' (fp32)
         _load_inner(parts.optimizer, parsed["inner"])
     # Nothing below can fail.

@@ -15,11 +15,16 @@ this wrapper holds (the module docstring of checkpoint.py lists them):
 * every group holds ``"accumkernels"`` (:data:`LIVE` between ``state_dict()`` calls, which write
   the bookkeeping there).
 
-The inner optimizer never sees the extra state keys (its ``state`` is its own); its groups do
-hold the group key, which it ignores. Writing an entry's key writes the inner optimizer's state
-(as natively), an extra key copies into the wrapper's tensor (a tool moving the state to a
-device writes the same values back), and writing a shown-but-not-yet-created key its own value
-again changes nothing (a key with another value is created, as natively).
+The keys of ``opt.state`` are the inner optimizer's (the params it holds state for), and every
+dict operation (``clear``, ``pop``, ``popitem``, ``del``, ``len``, iteration, ``in``, ``get``,
+``setdefault``, assigning an entry) means what it means on a torch optimizer's ``state``; only
+``bool(opt.state)`` is True for a wrapper with params also before its first step (DCP would
+otherwise run its state-creating lr=0 step through the wrapper). The inner optimizer never sees
+the extra state keys (its ``state`` is its own); its groups do hold the group key, which it
+ignores. Writing an entry's key writes the inner optimizer's state (as natively; a
+low-precision tensor of a param with a master is taken in fp32, the masters' dtype), and an
+extra key copies into the wrapper's tensor (a tool moving the state to a device writes the same
+values back).
 """
 
 from __future__ import annotations
