@@ -320,3 +320,42 @@ def test_masters_that_the_loading_wrapper_cannot_take_are_named_in_a_warning():
     with pytest.warns(UserWarning, match=r"fp32 master weights for 4 param\(s\).*master_weights"):
         opt2.load_state_dict(sd)
     assert opt2.micro_steps == 1
+
+
+@pytest.mark.parametrize("saved,loading", [((4, "mean"), (2, "mean")), ((4, "mean"), (8, "mean")),
+                                           ((4, "mean"), (4, "sum")), ((4, "sum"), (4, "mean")),
+                                           ((4, "sum"), (2, "sum"))])
+def test_a_mid_window_checkpoint_continues_under_the_loading_wrappers_settings(saved, loading):
+    """The README's rule: the window steps once it holds the loading wrapper's N micro-batches
+    (at once if it already does), and its sum counts under the loading wrapper's reduction.
+    Judge: native SGD (lr 1) given that sum, divided as the reduction says. Exact: the
+    gradients are powers of two."""
+    def build(n, reduction):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1, bias=False)
+        return model, AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                            accumulation_steps=n, reduction=reduction)
+
+    def micro(model, opt, k):
+        (model(torch.tensor([[1.0, 0.0, 0.0]])) * 2.0 ** k).sum().backward()
+        opt.step()
+
+    model, opt = build(*saved)
+    start = model.weight.detach().clone()
+    for k in range(2):
+        micro(model, opt, k)
+    model2, opt2 = build(*loading)
+    opt2.load_state_dict(roundtrip(opt.state_dict()))
+    k = 2
+    if opt2.micro_steps >= loading[0]:
+        opt2.step()  # (a window that already holds N steps at the next step())
+    while opt2.micro_steps:
+        micro(model2, opt2, k)
+        k += 1
+    native = nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        native.weight.copy_(start)
+    total = sum(2.0 ** i for i in range(k))
+    native.weight.grad = torch.tensor([[total / (k if loading[1] == "mean" else 1), 0.0, 0.0]])
+    torch.optim.SGD(native.parameters(), lr=1.0).step()
+    assert torch.equal(model2.weight, native.weight)
