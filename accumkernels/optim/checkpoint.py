@@ -44,9 +44,9 @@ ValueError naming what is lost, never taken as an empty window.
 wrapper, a master holding NaN/inf included), then loads the inner optimizer with a rollback
 (re-keyed to the model's params on the way out, loaded or rolled back), and only then writes the
 rooms: a state that fails changes nothing. Masters that a wrapper built with
-``master_weights=False`` has no place for are dropped with a warning naming them. Format 3 (the wrapper's parts under a top-level
-``"accumkernels"`` key) and formats 1 and 2 (everything at the top level, the inner state under
-``"optimizer"``) still load.
+``master_weights=False`` has no place for are dropped with a warning naming them. Format 3
+(the wrapper's parts under a top-level ``"accumkernels"`` key) and formats 1 and 2 (everything
+at the top level, the inner state under ``"optimizer"``) still load.
 
 Under data parallelism a window is each rank's own until it is reduced across the ranks (DDP's
 sync backward, ``process_group``'s step). A state dict taken before that records the rank and

@@ -10,9 +10,10 @@ the same model after the same windows.
 The rule at a boundary: no per-element cost at all (the landed version carried an empty fp32
 window, 4 B per element, +50 % for an fp32 AdamW); fp32 models within 1 KB + 16 B per param
 tensor of native's; bf16 models with masters: native fp32 AdamW's bytes plus the fp32 masters
-(4 B per element, one tensor per param). ``torch.distributed.checkpoint`` writes every non-tensor leaf as its own
-small archive (about 1.3 KB) and its flattened layout repeats every group key for every param
-tensor: the bookkeeping string costs one such leaf (plain) or one per param tensor (flattened).
+(4 B per element, one tensor per param). ``torch.distributed.checkpoint`` writes every leaf
+as its own small archive (about 1.6 KB with its metadata) and its flattened layout repeats every
+group key for every param tensor: the bookkeeping string costs one such leaf (plain) or one per
+param tensor (flattened).
 """
 
 from __future__ import annotations
