@@ -76,7 +76,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     state = {"model": model.state_dict(), "optim": opt.state_dict()}  # mid-window
     dcp.save(state, checkpoint_id=args.checkpoint)
     model, opt, comm2 = build(device, world_size, args.bf16_wire)  # resume into fresh objects
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with opt.window_template():  # a mid-window checkpoint: the template holds the windows
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(state, checkpoint_id=args.checkpoint)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])

@@ -55,6 +55,7 @@ def init_inner_state(optimizer: torch.optim.Optimizer) -> None:
 
 OWN_KEY = checkpoint.OWN_KEY
 native_copy = checkpoint.native_copy
+showing_window = checkpoint.showing_window
 live_state, set_state, groups_with_own_key = (checkpoint.live_state, checkpoint.set_state,
                                               checkpoint.groups_with_own_key)
 

@@ -15,11 +15,16 @@ this wrapper holds (the module docstring of checkpoint.py lists them):
 * every group holds ``"accumkernels"`` (:data:`LIVE` between ``state_dict()`` calls, which write
   the bookkeeping there).
 
-The inner optimizer never sees the extra state keys (its ``state`` is its own); its groups do
-hold the group key, which it ignores. Writing an entry's key writes the inner optimizer's state
-(as natively), an extra key copies into the wrapper's tensor (a tool moving the state to a
-device writes the same values back), and writing a shown-but-not-yet-created key its own value
-again changes nothing (a key with another value is created, as natively).
+The keys of ``opt.state`` are the inner optimizer's (the params it holds state for), and every
+dict operation (``clear``, ``pop``, ``popitem``, ``del``, ``len``, iteration, ``in``, ``get``,
+``setdefault``, assigning an entry) means what it means on a torch optimizer's ``state``; only
+``bool(opt.state)`` is True for a wrapper with params also before its first step (DCP would
+otherwise run its state-creating lr=0 step through the wrapper). The inner optimizer never sees
+the extra state keys (its ``state`` is its own); its groups do hold the group key, which it
+ignores. Writing an entry's key writes the inner optimizer's state (as natively; a
+low-precision tensor of a param with a master is taken in fp32, the masters' dtype), and an
+extra key copies into the wrapper's tensor (a tool moving the state to a device writes the same
+values back).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from itertools import chain
 
 import torch
+
+from accumkernels._util import LOW_PRECISION
 
 OWN_KEY = "accumkernels"
 MASTER_KEY = "accumkernels_master"
@@ -105,56 +112,53 @@ class LiveState(MutableMapping):
 
     def __setitem__(self, key, value) -> None:
         i = self._managed(key)
-        if i is None:
+        if i is None or not isinstance(value, Mapping):
             self.inner[key] = value
             return
         entry = ParamState(self, self._intake.params[i], i)
         for k in entry.extras:
             if k in value:
                 entry[k] = value[k]
-        own = {k: v for k, v in value.items() if k not in EXTRA_KEYS}
-        if entry.entry is None and own.keys() == entry.template.keys() and all(
-                _same(entry.template[k], v, key) for k, v in own.items()):
-            return  # the shown entry written back (a tool moving the state to a device)
-        self.inner[key] = own
+        self.inner[key] = {k: v for k, v in value.items() if k not in EXTRA_KEYS}
+        self._parts.masters.fp32_state()
 
+    # The keys are the inner optimizer's (the params it holds state for), as natively: a param
+    # without inner state is not "in" the state, and every dict operation means what it means on
+    # a torch optimizer's ``state``. Only ``opt.state[p]`` of a managed param without state shows
+    # the keys its state will have (and the wrapper's tensors), without creating an entry.
     def __delitem__(self, key) -> None:
-        if self._managed(key) is not None:
-            self.inner.pop(key, None)  # the extra keys stay: they are the wrapper's tensors
-            return
-        del self.inner[key]
+        del self.inner[key]  # (the extra keys stay: they are the wrapper's tensors)
 
     def __iter__(self) -> Iterator:
-        yield from self._intake.params
-        managed = self._idx.managed
-        yield from (k for k in list(self.inner)
-                    if not (isinstance(k, torch.Tensor) and id(k) in managed))
+        return iter(self.inner)
 
     def __len__(self) -> int:
-        managed = self._idx.managed
-        return len(managed) + sum(1 for k in self.inner
-                                  if not (isinstance(k, torch.Tensor) and id(k) in managed))
+        return len(self.inner)
 
     def __bool__(self) -> bool:
+        # True for a wrapper with params, also before its first step: DCP's
+        # get/set_optimizer_state_dict would otherwise run its lr=0 "init" step through the
+        # wrapper (a micro-batch of zeros in the window); the wrapper's state_dict() carries the
+        # template state itself.
         return bool(self._idx.managed) or bool(self.inner)
 
     def __contains__(self, key) -> bool:
-        return self._managed(key) is not None or key in self.inner
+        return key in self.inner
 
     def get(self, key, default=None):
-        if self._managed(key) is not None:
-            return self[key]
-        return self.inner.get(key, default)  # (never creates an entry)
+        return self[key] if key in self.inner else default  # (never creates an entry)
 
     def pop(self, key, *default):
-        if self._managed(key) is None:
-            return self.inner.pop(key, *default)
-        value = dict(self[key])
-        del self[key]
-        return value
+        return self.inner.pop(key, *default)
+
+    def popitem(self):
+        return self.inner.popitem()
+
+    def clear(self) -> None:
+        self.inner.clear()
 
     def setdefault(self, key, default=None):
-        if key not in self:
+        if key not in self.inner:
             self[key] = default
         return self[key]
 
@@ -164,9 +168,9 @@ class LiveState(MutableMapping):
     # -- what the entries need --------------------------------------------------------------------
     def extras(self, p: torch.Tensor, i: int) -> dict[str, torch.Tensor]:
         out = {}
-        master = self._parts.masters.get(p)
-        if master is not None:
-            out[MASTER_KEY] = master.detach()
+        master = self._parts.masters.current(p)  # (with the weight the user wrote taken in)
+        if master:
+            out[MASTER_KEY] = master[0].detach()
         out[WINDOW_KEY] = self._intake.views[i].detach()
         return out
 
@@ -185,8 +189,7 @@ class ParamState(MutableMapping):
     def __init__(self, live: LiveState, p: torch.Tensor, i: int):
         self._live, self._p = live, p
         self.extras = live.extras(p, i)
-        entry = live.inner.get(p)
-        self.entry = entry if entry else None
+        self.entry = live.inner.get(p)  # (None: no entry yet; an empty one shows empty)
         self.template = live.template(p) if self.entry is None else {}
 
     def inner_part(self) -> dict:
@@ -210,12 +213,12 @@ class ParamState(MutableMapping):
         if key in self.extras:
             _write_extra(key, self.extras[key], value)
             return
-        if self.entry is None:
-            if key in self.template and _same(self.template[key], value, self._p):
-                return  # its own shown value written back (a tool moving the state)
-            self.entry = self._live.inner[self._p]
+        if self.entry is None:  # (created, as natively; a tool moving the state to a device
+            self.entry = self._live.inner[self._p]  # writes back only the entries that exist)
             self.template = {}
         self.entry[key] = value
+        if torch.is_tensor(value) and value.dtype in LOW_PRECISION:
+            self._live._parts.masters.fp32_state()  # (a param with a master: its state is fp32)
 
     def __delitem__(self, key) -> None:
         if key in self.extras:
@@ -254,16 +257,6 @@ def _materialise(value, p: torch.Tensor):
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _same(shown, value, p: torch.Tensor) -> bool:
-    if isinstance(shown, _Zeros):
-        return isinstance(value, torch.Tensor) and value.shape == shown.shape \
-            and value.dtype == shown.dtype and not value.any().item()
-    if isinstance(shown, torch.Tensor):
-        return isinstance(value, torch.Tensor) and value.shape == shown.shape \
-            and torch.equal(value.to(shown.device), shown)
-    return shown == value
-
-
 @torch.no_grad()
 def _write_extra(key: str, live: torch.Tensor, value) -> None:
     """Writing the wrapper's master or window: a copy into it (the same values, when a tool
@@ -292,20 +285,28 @@ def _template_keys(parts) -> dict:
 
 
 @torch.no_grad()
-def template_state(parts, meta: bool = False) -> dict:
-    """The state an inner optimizer without any gets from an lr=0 step on zero gradients (what
-    ``get_state_dict`` creates for a fresh native optimizer), taken on a copy over copies of
-    the params: the live optimizer, params and masters are untouched. ``meta``: over ``meta``
-    copies with the plain (single-tensor) implementation, for its keys and shapes only; an
-    optimizer whose step needs values then raises."""
+def template_state(parts, meta: bool = False, only: set[int] | None = None) -> dict:
+    """The state a fresh inner optimizer would be loaded with: an lr=0 step on zero gradients
+    (what ``get_state_dict`` does to a fresh native optimizer) with each ``step`` set back to 0,
+    so that a native optimizer loading it takes its first step as a fresh one does (AdamW's
+    zero moments at step 0; SGD's zero momentum buffer). Keyed by position over the inner
+    optimizer's groups; ``only``: the ids of the params wanted (default: all). Taken on a copy
+    over copies of the params: the live optimizer, params and masters are untouched. ``meta``:
+    over ``meta`` copies with the plain (single-tensor) implementation, for its keys and shapes
+    only; an optimizer whose step needs values then raises."""
     inner = parts.optimizer
     step = getattr(type(inner).step, "__wrapped__", type(inner).step)
+    want = [only is None or id(p) in only for g in inner.param_groups for p in g["params"]]
     with parts.masters.swapped():  # over the fp32 masters: the template state is fp32 too
-        clones = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta") if meta
-                                            else p.detach().clone(), requires_grad=p.requires_grad)
-                  for g in inner.param_groups for p in g["params"]}
-        groups = [{**g, "params": [clones[id(p)] for p in g["params"]]}
-                  for g in inner.param_groups]
+        positions = [torch.nn.Parameter(torch.empty_like(p, device="meta") if meta
+                                        else p.detach().clone(), requires_grad=p.requires_grad)
+                     if w else None
+                     for p, w in zip((p for g in inner.param_groups for p in g["params"]), want)]
+        sizes = [len(g["params"]) for g in inner.param_groups]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    groups = [{**g, "params": [c for c in positions[a:a + n] if c is not None]}
+              for g, a, n in zip(inner.param_groups, starts, sizes)]
+    clones = [c for c in positions if c is not None]
     copy = object.__new__(type(inner))
     copy.__dict__.update({k: v for k, v in inner.__dict__.items()
                           if not k.startswith("_accumkernels")})
@@ -317,7 +318,7 @@ def template_state(parts, meta: bool = False) -> dict:
                                             if torch.is_tensor(g["lr"]) else 0.0}
                                            if "lr" in g else {})} for g in groups]
     copy.state = defaultdict(dict)
-    for c in clones.values():
+    for c in clones:
         c.grad = torch.zeros_like(c) if c.requires_grad else None
     try:
         step(copy)
@@ -325,4 +326,6 @@ def template_state(parts, meta: bool = False) -> dict:
         if meta:
             raise
         return {}
-    return copy.state_dict()["state"]
+    return {i: {k: (torch.zeros_like(v) if torch.is_tensor(v) else type(v)(0)) if k == "step"
+                else v for k, v in copy.state[c].items()}
+            for i, c in enumerate(positions) if c is not None and copy.state.get(c)}

@@ -60,11 +60,14 @@ class MasterWeights:
     @contextlib.contextmanager
     def swapped(self):
         """The inner optimizer over the fp32 masters for the block (a step, a state load): its
-        groups' params and its state keys are the masters, and the model params again after."""
+        groups' params and its state keys are the masters, and the model params again after.
+        The state is re-keyed in whatever ``state`` dict the inner optimizer holds on leaving
+        (a load inside the block replaces it)."""
         if not self.masters:
             yield
             return
         inner, masters = self.optimizer, self.masters
+        self.fp32_state()
         state = inner.state
         for group in inner.param_groups:
             group["params"] = [masters.get(id(p), p) for p in group["params"]]
@@ -77,6 +80,7 @@ class MasterWeights:
             model_of = {id(masters[id(p)]): p for p in self.model_params}
             for group in inner.param_groups:
                 group["params"] = [model_of.get(id(q), q) for q in group["params"]]
+            state = inner.state
             for p in self.model_params:
                 m = masters[id(p)]
                 if m in state:
@@ -99,11 +103,34 @@ class MasterWeights:
             fresh = torch.empty_strided(p.shape, strides, dtype=m.dtype, device=m.device)
             m.data = fresh.copy_(m)
 
+    def fp32_state(self) -> None:
+        """The inner state of params with masters in fp32 (the masters' dtype): a state written
+        in the model's dtype (``inner.load_state_dict`` after wrapping casts to the param's
+        dtype; a user's ``opt.state[p]["exp_avg"] = torch.zeros_like(p)``) is cast up."""
+        state = self.optimizer.state
+        for p in self.model_params:
+            entry = state.get(p)
+            if entry:
+                for k, v in list(entry.items()):
+                    if torch.is_tensor(v) and v.dtype in LOW_PRECISION and v.shape == p.shape:
+                        entry[k] = v.float()
+
     def get(self, p: torch.Tensor) -> torch.nn.Parameter | None:
         return self.masters.get(id(p))
 
     def master_list(self) -> list[torch.nn.Parameter]:
         return [self.masters[id(p)] for p in self.model_params]
+
+    @torch.no_grad()
+    def current(self, p: torch.Tensor | None = None) -> list[torch.nn.Parameter]:
+        """The masters (of ``p`` alone, if given) as they are read or saved: each first takes
+        in the model weight the user changed since the last step (as the next step would), so a
+        master always equals the weight as the user left it."""
+        pairs = [(self.masters[id(q)], q) for q in ([p] if p is not None else self.model_params)
+                 if id(q) in self.masters]
+        if pairs:
+            resync_masters_([m for m, _ in pairs], [q for _, q in pairs])
+        return [m for m, _ in pairs]
 
     @torch.no_grad()
     def resync_changed(self) -> None:
@@ -140,7 +167,7 @@ class MasterWeights:
     def state_dict(self) -> list[torch.Tensor]:
         return self.master_list()
 
-    def parse(self, saved: object) -> list[torch.Tensor | None]:
+    def parse(self, saved: object, names: dict | None = None) -> list[torch.Tensor | None]:
         """Saved masters in registration order; None where the checkpoint has none (the master
         then equals the model weight: taken from the model at load)."""
         mine = self.master_list()
@@ -148,7 +175,15 @@ class MasterWeights:
                 t is not None and (not isinstance(t, torch.Tensor) or t.shape != m.shape)
                 for t, m in zip(saved, mine)):
             raise ValueError("load_state_dict: master_weights do not match this optimizer's params")
-        return [None if t is None else _local(t).detach().clone() for t in saved]
+        out = [None if t is None else _local(t).detach().clone() for t in saved]
+        bad = [i for i, t in enumerate(out) if t is not None and not bool(torch.isfinite(t).all())]
+        if bad:
+            p = self.model_params[bad[0]]
+            name = (names or {}).get(id(p), f"param {bad[0]} of shape {tuple(p.shape)}")
+            raise ValueError(f"load_state_dict: the checkpoint's fp32 master weight of {name} "
+                             "holds NaN or inf; loading it would write it into the model's "
+                             "weights. Nothing was loaded: resume from an earlier checkpoint")
+        return out
 
     @torch.no_grad()
     def load(self, parsed: list[torch.Tensor | None]) -> None:

@@ -258,8 +258,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     @property
     def master_params(self) -> list[torch.nn.Parameter]:
-        """The fp32 master copies the inner optimizer steps (registration order)."""
-        return self._parts.masters.master_list()
+        """The fp32 master copies the inner optimizer steps (registration order); a weight the
+        user wrote since the last step is taken in first (as the next step would)."""
+        return self._parts.masters.current()
 
     @property
     def process_group(self):
@@ -340,6 +341,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._intake.take_in()
         return protocol.state_dict_with_hooks(
             self, lambda: self._layout.checkpoint.assemble(self._parts, self._intake))
+
+    def window_template(self):
+        """Context manager: ``state_dict()`` inside (and so DCP's ``get_state_dict``) holds each
+        param's window also at a window boundary (zeros), the template that a checkpoint taken
+        in the middle of a window loads into with ``dcp.load`` (README: checkpoints)."""
+        return self._layout.checkpoint.showing_window(self._parts)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:

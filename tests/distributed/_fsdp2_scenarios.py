@@ -147,7 +147,8 @@ def _load_wrapped(world: int, ckpt: str):
     import torch.distributed.checkpoint as dcp
 
     model, opt = _wrapped(world)
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with opt.window_template():  # the checkpoint was taken mid-window: a template with windows
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(sd, checkpoint_id=ckpt)
     model.load_state_dict(sd["model"])
     opt.load_state_dict(sd["optim"])

@@ -102,12 +102,17 @@ def save_flat(model, opt, ckpt: str) -> None:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
 
 
-def load_flat(wrap: bool, ckpt: str):
+def load_flat(wrap: bool, ckpt: str, window: bool = True, built=None):
+    """The torchtitan recipe; ``window``: the template built inside ``opt.window_template()``
+    (what a checkpoint taken in the middle of a window needs)."""
+    import contextlib
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, opt = fresh(wrap)
-    msd, osd = get_state_dict(model, opt, options=flat())
+    model, opt = built or fresh(wrap)
+    with opt.window_template() if wrap and window else contextlib.nullcontext():
+        msd, osd = get_state_dict(model, opt, options=flat())
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=ckpt)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -119,7 +124,8 @@ def load_plain(ckpt: str):
     import torch.distributed.checkpoint as dcp
 
     model, opt = fresh(True)
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with opt.window_template():
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(state, checkpoint_id=ckpt)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
@@ -151,13 +157,39 @@ def on_two_ranks(ckpts: dict) -> dict:
     save_flat(model, opt, ckpts["flat"])
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpts["plain"])
     opt.remove_hooks()
-    model, opt = fresh(False)
-    go(model, opt, items()[:BOUNDARY])
-    save_flat(model, opt, ckpts["native"])
+    for wrap in (False, True):  # boundary checkpoints: flattened (torchtitan's) and plain
+        model, opt = fresh(wrap)
+        go(model, opt, items()[:BOUNDARY])
+        name = "boundary" if wrap else "native"
+        save_flat(model, opt, ckpts[name])
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                 checkpoint_id=ckpts[name + "_plain"])
+        if wrap:
+            opt.remove_hooks()
+    out["bytes"] = sizes(ckpts)
+    out["numel"], out["tensors"] = (sum(p.numel() for p in Net().parameters()),
+                                    len(list(Net().parameters())))
+    model, opt = fresh(True)
+    try:  # a mid-window checkpoint through a template built at a boundary: refused
+        load_flat(True, ckpts["flat"], window=False, built=(model, opt))
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    out["left"] = (opt.micro_steps, all(p.grad is None for p in model.parameters()),
+                   all(not p.main_grad.to_local().any() for p in model.parameters()))
+    out["resumed_after_refusal"] = finish(*load_flat(True, ckpts["flat"], built=(model, opt)),
+                                          CUT)
+    out["resumed_boundary"] = finish(*load_flat(True, ckpts["boundary"], window=False), BOUNDARY)
     model, opt = load_flat(True, ckpts["flat"])
     out["micro_steps"] = opt.micro_steps
     out["resumed"] = finish(model, opt, CUT)
     return out
+
+
+def sizes(ckpts: dict) -> dict:
+    """Bytes of each checkpoint directory (every rank's files), once every rank saved."""
+    dist.barrier()
+    return {k: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+            for k, d in ckpts.items() if os.path.isdir(d)}
 
 
 def on_four_ranks(ckpts: dict) -> dict:
@@ -173,6 +205,8 @@ def on_four_ranks(ckpts: dict) -> dict:
     out["window_dropped"] = finish(model, opt, CUT)
     model, opt = load_flat(False, ckpts["native"])
     out["native_resumed"] = finish(model, opt, BOUNDARY)
+    model, opt = load_flat(True, ckpts["boundary"], window=False)
+    out["boundary_resumed"] = finish(model, opt, BOUNDARY)
     return out
 
 
@@ -196,7 +230,9 @@ def _rank_main(rank: int, out_dir: str, name: str, kwargs: dict) -> None:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp2_flat_ckpt")
-    return {c: {k: str(root / c / k) for k in ("flat", "plain", "native")} for c in COMPUTE}
+    return {c: {k: str(root / c / k) for k in ("flat", "plain", "native", "native_plain",
+                                                "boundary", "boundary_plain")}
+            for c in COMPUTE}
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +287,43 @@ def test_flattened_mid_window_checkpoint_resumes_on_four_ranks(two, four, comput
         dropped = max_diff(r["window_dropped"], straight)
         assert ours <= max(4 * control, BOUND[compute]), (rank, ours, control)
         assert dropped > 10 * max(ours, control, BOUND[compute]), (rank, dropped, ours, control)
+
+
+def test_a_mid_window_checkpoint_through_a_boundary_template_is_refused_on_every_rank(two):
+    """torchtitan's template built at a boundary holds no window: every rank refuses, naming
+    ``opt.window_template()``, the wrapper's window untouched; the recipe then resumes exactly."""
+    for rank, res in enumerate(two):
+        for compute in COMPUTE:
+            r = res[compute]
+            assert "window_template" in r.get("refused", ""), (rank, r.get("refused"))
+            assert r["left"] == (0, True, True), (rank, r["left"])
+            assert max_diff(r["resumed_after_refusal"], r["straight"]) == 0.0, rank
+
+
+# DCP writes every non-tensor leaf as its own small torch.save archive (about 1.3 KB), and the
+# flattened layout repeats every group key for every param: the bookkeeping's one string costs
+# that once (plain) or once per param tensor (flattened), as any group key (an LR scheduler's
+# "initial_lr") does. What the rule excludes is anything per element: the 4 B/param window.
+PER_LEAF = 1600
+
+
+@pytest.mark.parametrize("compute", sorted(COMPUTE))
+def test_a_boundary_checkpoint_costs_natives_bytes(two, compute):
+    r = two[0][compute]
+    got, numel, tensors = r["bytes"], r["numel"], r["tensors"]
+    assert got["boundary_plain"] - got["native_plain"] <= 1024 + PER_LEAF, got
+    assert got["boundary"] - got["native"] <= 1024 + PER_LEAF * tensors, got
+    # (the landed version: + 4 B per element on each path)
+    assert got["flat"] - got["boundary"] >= 4 * numel - 1024, got
+    for rank, res in enumerate(two):
+        assert max_diff(res[compute]["resumed_boundary"], res[compute]["straight"]) == 0.0, rank
+
+
+@pytest.mark.parametrize("compute", sorted(COMPUTE))
+def test_a_boundary_checkpoint_resumes_on_four_ranks(two, four, compute):
+    straight, native_straight = two[0][compute]["straight"], two[0][compute]["native_straight"]
+    for rank, res in enumerate(four):
+        r = res[compute]
+        control = max_diff(r["native_resumed"], native_straight)
+        ours = max_diff(r["boundary_resumed"], straight)
+        assert ours <= max(4 * control, BOUND[compute]), (rank, ours, control)

@@ -211,7 +211,7 @@ def _version1(opt) -> dict:
     state = opt.state_dict()
     own = json.loads(state["param_groups"][0]["accumkernels"])
     window = dict(own["window"])
-    old = {k: v for k, v in own.items() if k not in ("version", "param_shapes", "window")}
+    old = {k: v for k, v in own.items() if k not in ("version", "shapes", "window")}
     old["found_inf"] = torch.tensor([own["found_inf"]])
     old["master_weights"] = []
     old["optimizer"] = torch_sd(state)

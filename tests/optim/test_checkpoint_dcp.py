@@ -176,7 +176,10 @@ DCP_OPTIONS = {k: OPTIONS[k] for k in ("default", "flatten")}
 def test_dcp_save_load_into_a_fresh_template(tmp_path, option, cut, dtype, inner):
     """``dcp.save`` of ``get_state_dict``'s dicts; ``dcp.load`` into the state dicts of a fresh
     model and wrapper (the template), then ``set_state_dict``: the torchtitan recipe (which
-    flattens)."""
+    flattens). A fresh wrapper is at a window boundary, where its state dict holds no window: a
+    checkpoint taken in the middle of a window is refused with an error naming the recipe
+    (``opt.window_template()``), the wrapper's window and counts unchanged; through the template
+    built inside ``opt.window_template()`` it resumes exactly (README: checkpoints)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     options = DCP_OPTIONS[option]
 
@@ -184,12 +187,22 @@ def test_dcp_save_load_into_a_fresh_template(tmp_path, option, cut, dtype, inner
         msd, osd = get_state_dict(model, opt, options=options)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ckpt"))
 
-    def load(model, opt, _):
-        msd, osd = get_state_dict(model, opt, options=options)
+    def load_through(model, opt, msd, osd):
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
+
+    def load(model, opt, _):
+        if cut % N:
+            with pytest.raises(ValueError, match=r"middle of a window.*opt\.window_template"):
+                load_through(model, opt, *get_state_dict(model, opt, options=options))
+            assert opt.micro_steps == 0 and all(p.grad is None for p in model.parameters())
+            with opt.window_template():
+                template = get_state_dict(model, opt, options=options)
+        else:
+            template = get_state_dict(model, opt, options=options)
+        load_through(model, opt, *template)
 
     got = run_resumed(seed, dtype, inner, cut, save, load)
     assert_equal_params(got, run_uninterrupted(seed, dtype, inner))

@@ -99,7 +99,8 @@ def test_a_fresh_wrapper_shows_the_keys_its_state_will_have(inner):
         want = native.state[q]
         assert want and set(entry) == set(want) | {"accumkernels_window"}
         for key, value in want.items():
-            assert torch.equal(entry[key], value if key == "step" else torch.zeros_like(value))
+            # (step 0: what a fresh optimizer is loaded with, see test_checkpoint_loads.py)
+            assert torch.equal(entry[key], torch.zeros_like(value))
     assert not opt.optimizer.state, "showing the keys created inner state"
 
 
