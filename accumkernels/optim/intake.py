@@ -172,7 +172,12 @@ class Intake:
         if g is not self.views[i]:
             if not self.move_in_backward:
                 return  # unmoved gradients of earlier backwards: autograd adds to them
-            self._absorb(p, g)  # assigned from outside (held gradients are never in .grad)
+            if self.in_weight_pass:  # written in the block: held, this backward's adds to it
+                pend = self.pending.setdefault(self._bucket_index[i], {})
+                held = pend.get(i)
+                pend[i] = g.detach().clone() if held is None else held.add_(g)
+            else:
+                self._absorb(p, g)  # assigned from outside (held gradients never sit in .grad)
         p.grad = None
 
     def after_grad(self, i: int) -> None:
@@ -288,8 +293,29 @@ class Intake:
         else:
             self.move_unmoved()
 
-    def move_unmoved(self) -> None:
-        """Move every ``.grad`` that is not the param's view (accumulate_in_backward=False)."""
+    # -- weight passes (backward.weight_pass) --------------------------------------------------
+    def begin_weight_pass(self) -> None:
+        """Take in what ``.grad`` holds, then hide the window: what the block writes lands in
+        ``.grad`` alone, in a backward's units (scaled loss, not yet divided)."""
+        self.take_in()
+        self.hide_all()
+        self.in_weight_pass, self.counted = True, False
+
+    def end_weight_pass(self) -> None:
+        """The block ended (or raised): what it wrote is one micro-batch, unless a backward
+        inside it counted itself."""
+        self.in_weight_pass = False
+        if self.move_in_backward:
+            self.move_unmoved(count_new=not self.counted)
+        elif any(p.grad is not None for p in self.params):
+            if not self.counted:
+                self.unmoved_backward()  # sits in .grad until accumulate()/step()/the N-th
+        else:
+            self.expose()
+
+    def move_unmoved(self, count_new: bool = True) -> None:
+        """Move every ``.grad`` that is not the param's view (accumulate_in_backward=False);
+        ``count_new``: gradients without a counted backward are one micro-batch."""
         self.settle()
         self.guard.check_all()
         by_bucket: dict[int, list[torch.Tensor]] = {}
@@ -307,7 +333,7 @@ class Intake:
             for p in params:
                 p.grad = None
         count, self.unmoved = self.unmoved, 0
-        if by_bucket and not count:
+        if by_bucket and not count and count_new:
             count = 1  # gradients set without a backward this wrapper saw: one micro-batch
         for _ in range(count):
             self.events.microbatch_ended(kept)
