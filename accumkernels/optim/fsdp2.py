@@ -153,7 +153,7 @@ class MeshSync(LocalSync):
 
     def _weights_in(self) -> bool:
         w = self.window
-        return self.weighted and w.complete and len(w.weights) >= w.micro_steps
+        return self.weighted and w.complete and not w.weights_pending()
 
     def _agree_weight(self) -> None:
         """The mesh's weight total now; the window normalised by it (what ``p.grad`` shows)."""
