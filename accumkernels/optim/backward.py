@@ -56,8 +56,17 @@ def weight_pass(intake):
     if intake.in_weight_pass:  # nested: the outer block moves and counts
         yield
         return
-    intake.begin_weight_pass()
+    intake.take_in()
+    intake.hide_all()  # what the block writes lands alone, in a backward's units
+    intake.in_weight_pass, intake.counted = True, False
     try:
         yield
     finally:
-        intake.end_weight_pass()
+        intake.in_weight_pass = False
+        if intake.move_in_backward:
+            intake.move_unmoved(count_new=not intake.counted)
+        elif any(p.grad is not None for p in intake.params):
+            if not intake.counted:
+                intake.unmoved_backward()  # in .grad until accumulate()/step()/the N-th
+        else:
+            intake.expose()

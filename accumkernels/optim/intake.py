@@ -299,26 +299,6 @@ class Intake:
         else:
             self.move_unmoved()
 
-    # -- weight passes (backward.weight_pass) --------------------------------------------------
-    def begin_weight_pass(self) -> None:
-        """Take in what ``.grad`` holds, then hide the window: what the block writes lands in
-        ``.grad`` alone, in a backward's units (scaled loss, not yet divided)."""
-        self.take_in()
-        self.hide_all()
-        self.in_weight_pass, self.counted = True, False
-
-    def end_weight_pass(self) -> None:
-        """The block ended (or raised): what it wrote is one micro-batch, unless a backward
-        inside it counted itself."""
-        self.in_weight_pass = False
-        if self.move_in_backward:
-            self.move_unmoved(count_new=not self.counted)
-        elif any(p.grad is not None for p in self.params):
-            if not self.counted:
-                self.unmoved_backward()  # sits in .grad until accumulate()/step()/the N-th
-        else:
-            self.expose()
-
     def move_unmoved(self, count_new: bool = True) -> None:
         """Move every ``.grad`` that is not the param's view (accumulate_in_backward=False);
         ``count_new``: gradients without a counted backward are one micro-batch."""
