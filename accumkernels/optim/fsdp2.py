@@ -157,8 +157,9 @@ class MeshSync(LocalSync):
 
     def _agree_weight(self) -> None:
         """The mesh's weight total now; the window normalised by it (what ``p.grad`` shows)."""
-        total = self.all_reduce(torch.tensor([self._weight()], dtype=torch.float64),
-                                "weight").item()
+        device = next(iter(self.window.storage.buffers), torch.device("cpu"))  # (NCCL: GPU)
+        total = self.all_reduce(torch.tensor([self._weight()], dtype=torch.float64,
+                                             device=device), "weight").item()
         self._agreed = len(self.window.weights)
         if total > 0:
             self.window.normalise(total)
