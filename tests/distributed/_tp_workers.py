@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from _fsdp2_workers import LR, TPNet, make_inner
+from _fsdp2_workers import TPNet, make_inner
 
 
 class _NativeRefusal(Exception):
@@ -70,5 +70,4 @@ def scenario_tp_refusals(world: int) -> dict:
         opt.step()  # (the inner optimizer, natively)
         out[name + "_trains"] = any(not torch.equal(a, p.detach().full_tensor())
                                     for a, p in zip(before, model.parameters()))
-    assert LR > 0
     return out
