@@ -32,17 +32,21 @@ def data(rank: int, w: int, i: int):
 
 
 def train(*, wrap: bool, weight_first: bool = False, nosync: bool = True,
-          accumulation_steps: int | None = ACCUM) -> dict:
+          accumulation_steps: int | None = ACCUM, group: bool = False) -> dict:
+    """``group``: no DDP; the wrapper's ``process_group`` (natively: the loop all-reduces the
+    summed ``.grad`` and divides by the ranks' total weight)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from accumkernels import AccumulatingOptimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    ddp = DDP(mlp())
+    ddp = mlp() if group else DDP(mlp())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     if wrap:
+        reduce = {"process_group": dist.group.WORLD} if group else {"model": ddp}
         opt = AccumulatingOptimizer(opt, accumulation_steps=accumulation_steps,
-                                    reduction="weighted", model=ddp)
+                                    reduction="weighted", **reduce)
+    nosync = nosync and not group
     grads, norms = [], []
     for w in range(WINDOWS):
         for i in range(ACCUM):
@@ -60,7 +64,9 @@ def train(*, wrap: bool, weight_first: bool = False, nosync: bool = True,
                                             for i in range(ACCUM)))], dtype=torch.float64)
             dist.all_reduce(total)
             for p in ddp.parameters():
-                p.grad.mul_(world / total.item())
+                if group:  # (the wrapper's process_group sums the window over the ranks)
+                    dist.all_reduce(p.grad)
+                p.grad.mul_((1.0 if group else world) / total.item())
         grads.append([p.grad.detach().clone() for p in ddp.parameters()])
         norms.append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP))
         opt.step()
@@ -70,10 +76,13 @@ def train(*, wrap: bool, weight_first: bool = False, nosync: bool = True,
 
 
 def scenarios() -> dict:
-    out = {"native": train(wrap=False), "native_sync_each": train(wrap=False, nosync=False)}
+    out = {"native": train(wrap=False), "native_sync_each": train(wrap=False, nosync=False),
+           "native_group": train(wrap=False, group=True)}
     for name, kw in {"after": {}, "before": {"weight_first": True},
                      "after_sync_each": {"nosync": False},
-                     "after_none": {"accumulation_steps": None}}.items():
+                     "after_none": {"accumulation_steps": None},
+                     "group_after": {"group": True},
+                     "group_before": {"group": True, "weight_first": True}}.items():
         out[name] = train(wrap=True, **kw)
     return out
 
