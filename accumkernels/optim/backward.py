@@ -49,17 +49,24 @@ def weight_pass(intake):
     """A weight pass: gradients computed with ``torch.autograd.grad`` (AccumulateGrad never
     runs) and assigned to (or added into) ``.grad`` inside the block are one micro-batch. The
     window is hidden meanwhile (each gradient lands in ``.grad`` alone); at the end they are
-    moved like a backward's (fused, scaled, checked, counted), unless a backward inside the
-    block counted itself (stage 0 of a pipeline runs a full backward there)."""
+    moved like a backward's (fused, scaled, checked), and the block counts one micro-batch,
+    also when a backward ran inside it (stage 0 of a pipeline runs a full backward there). A
+    block nested in another is part of the outer one. An exception that leaves the block still
+    moves what was written (natively it stays summed in ``.grad``)."""
+    if intake.in_weight_pass:  # nested: the outer block moves and counts
+        yield
+        return
     intake.take_in()
-    if intake.move_in_backward:
-        intake.hide_all()
+    intake.hide_all()  # what the block writes lands alone, in a backward's units
     intake.in_weight_pass, intake.counted = True, False
     try:
         yield
     finally:
         intake.in_weight_pass = False
-    if intake.move_in_backward:
-        intake.move_unmoved()  # (counts one micro-batch only if it moves something)
-    elif not intake.counted:
-        intake.unmoved_backward()
+        if intake.move_in_backward:
+            intake.move_unmoved(count_new=not intake.counted)
+        elif any(p.grad is not None for p in intake.params):
+            if not intake.counted:
+                intake.unmoved_backward()  # in .grad until accumulate()/step()/the N-th
+        else:
+            intake.expose()

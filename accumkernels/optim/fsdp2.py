@@ -18,6 +18,7 @@ optimizer holds DTensor params; ``model=`` (the ``fully_shard`` root) is require
 from __future__ import annotations
 
 import datetime
+import math
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from accumkernels._util import LOW_PRECISION
 from accumkernels.distributed import WindowTotals
 from accumkernels.optim import fsdp2_checkpoint
 from accumkernels.optim.fsdp2_intake import ShardedIntake, ShardedWindow
-from accumkernels.optim.fsdp2_recipe import RECIPE, dtensor_type
+from accumkernels.optim.fsdp2_recipe import RECIPE, dtensor_type, tensor_parallel_error
 from accumkernels.optim.nonfinite import sum_of_squares
 from accumkernels.optim.sync import LocalSync
 from accumkernels._torch_private import fsdp2_offload_unsafe
@@ -57,9 +58,16 @@ def check_recipe(params: list[torch.Tensor], model: object, kwargs: dict) -> tup
     """Refuse (ValueError) what cannot work, before any state; return (modules, groups, mesh)."""
     dtensor = dtensor_type()
     if not isinstance(model, torch.nn.Module):
-        raise ValueError("AccumulatingOptimizer: the params are DTensors (FSDP2); pass model=<the "
-                         f"fully_shard root module> so the wrapper can follow its backward. "
-                         f"Supported recipe: {RECIPE}")
+        raise tensor_parallel_error(
+            "the params are DTensors (FSDP2's fully_shard, or tensor parallelism's "
+            "parallelize_module) and no model= was given. FSDP2, alone or with tensor "
+            "parallelism, needs model=<the fully_shard root module> so the wrapper can follow "
+            "its backward")
+    modules, groups, owned = _fsdp_groups(model, params)
+    if not modules:
+        raise tensor_parallel_error(
+            f"the params are DTensors but model ({type(model).__name__}) has no fully_shard "
+            "module: tensor parallelism without FSDP2")
     if kwargs.get("process_group") is not None:
         raise ValueError("AccumulatingOptimizer (FSDP2): leave process_group out; FSDP2 "
                          "reduce-scatters the gradients itself")
@@ -70,17 +78,14 @@ def check_recipe(params: list[torch.Tensor], model: object, kwargs: dict) -> tup
         raise ValueError("AccumulatingOptimizer (FSDP2): nonfinite='skip_microbatch' is not "
                          "supported (each micro-batch is reduced across ranks before it could "
                          "be dropped); use 'skip_step' or 'raise'")
-    modules, groups, owned = _fsdp_groups(model, params)
-    if not modules:
-        raise ValueError(f"AccumulatingOptimizer: model has no fully_shard module. {RECIPE}")
     meshes = []
     for i, p in enumerate(params):
         if not isinstance(p, dtensor) or i not in owned:
-            raise ValueError(
-                f"AccumulatingOptimizer (FSDP2): param {i} (shape {tuple(p.shape)}) is "
+            raise tensor_parallel_error(
+                f"param {i} (shape {tuple(p.shape)}) is "
                 f"{'not a DTensor' if not isinstance(p, dtensor) else 'a DTensor'} outside "
                 "every fully_shard module of model; every trainable param of the optimizer must "
-                f"be sharded by fully_shard (tensor parallel is not supported). {RECIPE}")
+                "be sharded by fully_shard")
         if p.dtype in LOW_PRECISION:
             raise ValueError(
                 f"AccumulatingOptimizer (FSDP2): param {i} is a {p.dtype} shard; FSDP2 rounds "
@@ -100,21 +105,80 @@ def check_recipe(params: list[torch.Tensor], model: object, kwargs: dict) -> tup
     return modules, groups, meshes[0]
 
 
+def _dp_dims(modules: list, mesh) -> int:
+    """How many leading dims of the params' mesh are FSDP2's data-parallel ones (the rest are
+    tensor/expert parallel: FSDP2 + TP puts them after the DP dims). FSDP2 keeps its DP mesh
+    on each module's param group (private; without it every dim counts as data parallel)."""
+    for module in modules:
+        try:
+            group = module._get_fsdp_state()._fsdp_param_group
+            return group.mesh_info.mesh.ndim if group is not None else mesh.ndim
+        except AttributeError:
+            continue
+    return mesh.ndim
+
+
 class MeshSync(LocalSync):
     """The sync protocol (accumkernels.optim.sync) under FSDP2: FSDP2 reduces the gradients;
     this sums the window's bookkeeping (and non-finite flags) over every rank of the mesh.
-    What a backward, a bucket or a weight means for the local sync (nothing) it means here."""
+
+    ``reduction="weighted"``: ``add_weight`` reports the weight of the micro-batch this rank
+    computed; the ranks of one tensor-parallel group compute the same one, so only the first
+    of them counts it (the weights are summed over the data-parallel dims only). Once the
+    window is complete (N given) and every micro-batch's weight is in, after the N-th backward
+    or the ``add_weight`` that completes them, the mesh agrees on the total at once and the
+    window is normalised: ``p.grad`` then shows the final sum / total weight, so a user's clip
+    before ``step()`` measures what the step uses."""
 
     active = True
     joins_stage_norm = False  # pipelining's clip_across_stages: flat windows only
 
-    def __init__(self, mesh, averaged: bool):
+    def __init__(self, mesh, averaged: bool, dp_dims: int | None = None, weighted: bool = False):
         super().__init__(independent_ranks=False)
         self.mesh = mesh
         self.world = mesh.size()
         self.averaged = averaged  # FSDP2 averaged the gradients over the mesh (not summed)
         self.timeout_s = 300.0
         self.window = self.params = None
+        self.weighted = weighted
+        dp_dims = mesh.ndim if dp_dims is None else dp_dims
+        coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+        # a tensor-parallel peer (not the first of its TP group) reports no weight of its own
+        self.tp_peer = any(c != 0 for c in coordinate[dp_dims:])
+        self.tp_size = self.world // math.prod(mesh.size(d) for d in range(dp_dims))
+        self._agreed: int | None = None  # weights agreed on (count), since the window began
+
+    def _weight(self) -> float:
+        return 0.0 if self.tp_peer else self.window.local_weight()
+
+    def _weights_in(self) -> bool:
+        w = self.window
+        return self.weighted and w.complete and not w.weights_pending()
+
+    def _agree_weight(self) -> None:
+        """The mesh's weight total now; the window normalised by it (what ``p.grad`` shows)."""
+        device = next(iter(self.window.storage.buffers), torch.device("cpu"))  # (NCCL: GPU)
+        total = self.all_reduce(torch.tensor([self._weight()], dtype=torch.float64,
+                                             device=device), "weight").item()
+        self._agreed = len(self.window.weights)
+        if total > 0:
+            self.window.normalise(total)
+
+    def end_backward(self) -> bool:
+        """The N-th backward with every weight reported before it: agree and normalise."""
+        if self._weights_in():
+            self._agree_weight()
+            return True
+        return False
+
+    def weight_added(self) -> None:
+        """The weight that completes a complete window's (reported after its backward)."""
+        if self._weights_in() and self._agreed != len(self.window.weights):
+            self._agree_weight()
+
+    def reset(self) -> None:
+        self._agreed = None
+        super().reset()
 
     def rebind(self, window, params: list[torch.Tensor]) -> None:
         self.window, self.params = window, params
@@ -134,7 +198,7 @@ class MeshSync(LocalSync):
     def finish(self, found_inf: torch.Tensor) -> WindowTotals:
         w = self.window
         micro_steps = w.micro_steps
-        head = torch.tensor([micro_steps, micro_steps**2, w.kept, w.local_weight()],
+        head = torch.tensor([micro_steps, micro_steps**2, w.kept, self._weight()],
                             dtype=torch.float64)
         info = torch.cat([head.to(found_inf.device), found_inf.double().reshape(1),
                           torch.tensor(w.held(self.params), dtype=torch.float64)
@@ -150,11 +214,14 @@ class MeshSync(LocalSync):
 
     def agree_for_checkpoint(self, found_inf: torch.Tensor,
                              weight: float) -> tuple[torch.Tensor, float]:
-        """The OR of every rank's non-finite flag and the world's weight total."""
+        """The OR of every rank's non-finite flag and the world's weight total, scaled so that
+        1/world of it is each data-parallel rank's share (the checkpoint stores that share on
+        every rank; tensor-parallel peers count no weight of their own)."""
+        weight = 0.0 if self.tp_peer else weight
         values = torch.cat([found_inf.double().reshape(1),
                             torch.tensor([weight], dtype=torch.float64).to(found_inf.device)])
         values = self.all_reduce(values, "checkpoint bookkeeping").tolist()
-        return torch.full_like(found_inf, float(values[0] > 0)), values[1]
+        return torch.full_like(found_inf, float(values[0] > 0)), values[1] * self.tp_size
 
     def rank_local_window(self) -> None:
         return None  # the checkpoint saves the window in its agreed, sharded form
@@ -218,6 +285,7 @@ class ShardedLayout:
             for module in self.modules:
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-        sync = MeshSync(self.mesh, averaged=not weighted)
+        sync = MeshSync(self.mesh, averaged=not weighted, weighted=weighted,
+                        dp_dims=_dp_dims(self.modules, self.mesh))
         sync.rebind(window, params)
         return sync

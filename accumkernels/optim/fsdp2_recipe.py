@@ -13,6 +13,22 @@ RECIPE = ("fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.
           "reduce_dtype=torch.float32)) on an fp32 model, and AccumulatingOptimizer(optimizer, "
           "model=<the fully_shard root>)")
 
+# Tensor parallelism (DTensor params from parallelize_module) without fully_shard: refused, by name
+TP_RECIPE = (
+    "FSDP2 + TP (torchtitan's recipe): parallelize_module(model, tp_mesh, plan) first, then "
+    "fully_shard(..., mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+    "reduce_dtype=torch.float32)) on the blocks and the root of the fp32 model (dp_mesh and "
+    "tp_mesh from one init_device_mesh(..., mesh_dim_names=('dp', 'tp'))), and "
+    "AccumulatingOptimizer(optimizer, model=<the fully_shard root>)")
+TENSOR_PARALLEL = (
+    "AccumulatingOptimizer: {what}. Tensor parallelism without FSDP2 (parallelize_module alone, "
+    "or under DistributedDataParallel) is not supported: the fp32 window of DTensor params "
+    "follows FSDP2's gradient path. Supported: " + TP_RECIPE + "; FSDP2 alone: " + "{recipe}")
+
+
+def tensor_parallel_error(what: str) -> ValueError:
+    return ValueError(TENSOR_PARALLEL.format(what=what, recipe=RECIPE))
+
 
 def dtensor_type():
     if not dist.is_available():
@@ -41,6 +57,6 @@ def refuse_sharded(params: list[torch.Tensor]) -> None:
     dtensor = dtensor_type()
     for i, p in enumerate(params):
         if dtensor is not None and isinstance(p, dtensor):
-            raise ValueError(
-                f"AccumulatingOptimizer: param {i} is a DTensor; FSDP2 params are handled by "
-                f"AccumulatingOptimizer(optimizer, model=...) itself: {RECIPE}")
+            raise tensor_parallel_error(
+                f"param {i} is a DTensor (FSDP2 or tensor parallelism); the layout of DTensor "
+                "params is picked from the inner optimizer's params")

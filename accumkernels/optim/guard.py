@@ -37,6 +37,8 @@ What a change means:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from accumkernels import backends
@@ -198,3 +200,29 @@ def _move_state(optimizer, masters, params: list, old_devices: list) -> None:
             if key == "step" and keep_step and value.device.type == "cpu":
                 continue
             optimizer.state[target][key] = value.to(p.device)
+
+
+FORGOTTEN_LINE = (
+    "AccumulatingOptimizer: a pipeline schedule ran a weight pass (the W action of "
+    "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV or a custom schedule with I/W actions) "
+    "without this wrapper: it writes its weight gradients into .grad itself, past the fused "
+    "accumulation, so the window would step wrongly. Nothing was stepped. Add the recipe's one "
+    "line right after building this rank's stages, before the wrappers: "
+    "accumkernels.integrations.pipelining.accumulate_weight_passes(stages), and start the "
+    "training again")
+_PIPELINING = "torch/distributed/pipelining/"
+
+
+def pipeline_weight_pass() -> bool:
+    """Whether a pipeline stage's weight pass runs (``torch.distributed.pipelining``'s
+    ``backward_weight_one_chunk`` on a thread's stack: the hooks may run on an autograd device
+    thread, the schedule on the caller's). One walk per thread, once per backward, made only
+    outside ``weight_pass()``."""
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "backward_weight_one_chunk" \
+                    and _PIPELINING in code.co_filename.replace("\\", "/"):
+                return True
+            frame = frame.f_back
+    return False

@@ -46,7 +46,7 @@ from accumkernels._torch_private import queue_callback
 from accumkernels._util import LOW_PRECISION
 from accumkernels.buffer import Bucket, MasterGradBuffer
 from accumkernels.optim.backward import EndOfBackward, remove_handles
-from accumkernels.optim.guard import Guard
+from accumkernels.optim.guard import FORGOTTEN_LINE, Guard, pipeline_weight_pass
 from accumkernels.slot import SlotWrite
 
 _HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
@@ -83,6 +83,7 @@ class Intake:
         self.unmoved = 0  # backwards whose gradients still sit in .grad (not moved in backward)
         self.in_weight_pass = False  # inside weight_pass(): the window stays hidden
         self.counted = False  # a backward counted itself (since the weight pass began)
+        self.forgotten_line = False  # a pipeline weight pass ran outside weight_pass()
         self.handles: list = []
         self.guard = Guard(self)
         me = weakref.ref(self)
@@ -119,6 +120,8 @@ class Intake:
     def _begin(self) -> None:
         self.settle()
         if not self._active:
+            if not self.in_weight_pass and pipeline_weight_pass():
+                self.forgotten_line = True  # raised at step() (every rank gets there)
             self.outside_room.check_unfrozen(self.config.nonfinite, self.names)
             self._active, self._got_grad, self._deferred = True, False, False
             if self.guard.shown:  # .grad cleared from outside since the views were shown
@@ -172,7 +175,12 @@ class Intake:
         if g is not self.views[i]:
             if not self.move_in_backward:
                 return  # unmoved gradients of earlier backwards: autograd adds to them
-            self._absorb(p, g)  # assigned from outside (held gradients are never in .grad)
+            if self.in_weight_pass:  # written in the block: held, this backward's adds to it
+                pend = self.pending.setdefault(self._bucket_index[i], {})
+                held = pend.get(i)
+                pend[i] = g.detach().clone() if held is None else held.add_(g)
+            else:
+                self._absorb(p, g)  # assigned from outside (held gradients never sit in .grad)
         p.grad = None
 
     def after_grad(self, i: int) -> None:
@@ -282,14 +290,18 @@ class Intake:
 
     def take_in(self) -> None:
         """Before any decision: close a backward that raised and take in what ``.grad`` holds
-        (assigned gradients; with ``accumulate_in_backward=False`` the unmoved ones)."""
+        (assigned gradients; with ``accumulate_in_backward=False`` the unmoved ones). A
+        pipeline weight pass that ran without ``weight_pass()`` raises here, before anything."""
+        if self.forgotten_line:
+            raise RuntimeError(FORGOTTEN_LINE)
         if self.move_in_backward:
             self.absorb_assigned()
         else:
             self.move_unmoved()
 
-    def move_unmoved(self) -> None:
-        """Move every ``.grad`` that is not the param's view (accumulate_in_backward=False)."""
+    def move_unmoved(self, count_new: bool = True) -> None:
+        """Move every ``.grad`` that is not the param's view (accumulate_in_backward=False);
+        ``count_new``: gradients without a counted backward are one micro-batch."""
         self.settle()
         self.guard.check_all()
         by_bucket: dict[int, list[torch.Tensor]] = {}
@@ -307,7 +319,7 @@ class Intake:
             for p in params:
                 p.grad = None
         count, self.unmoved = self.unmoved, 0
-        if by_bucket and not count:
+        if by_bucket and not count and count_new:
             count = 1  # gradients set without a backward this wrapper saw: one micro-batch
         for _ in range(count):
             self.events.microbatch_ended(kept)

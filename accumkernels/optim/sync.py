@@ -163,9 +163,10 @@ class GroupSync(LocalSync):
 
     active = True
 
-    def __init__(self, group, window, params: list[torch.Tensor]):
+    def __init__(self, group, window, params: list[torch.Tensor], weighted: bool = False):
         super().__init__(independent_ranks=False)
         self.window, self.params = window, params
+        self.weighted = weighted  # the window's weights are agreed once all are in (below)
         self.reducer = WindowReducer(group, window.storage)
         self.reducer.check_replicas(params)  # a group over other params or stages: refused
         self.reducer.broadcast_params(params)
@@ -212,11 +213,30 @@ class GroupSync(LocalSync):
         all-reduce reading and writing the same memory."""
         if self.reducer.started:
             self.reducer.settle()
+        self._agree_weight(after_backward=True)
         return False
 
     def weight_added(self) -> None:
         if self._totals is not None:
             self._stale = True
+        self._agree_weight(after_backward=False)
+
+    def _agree_weight(self, after_backward: bool) -> None:
+        """``weighted``: once the window is complete (N given) and every micro-batch's weight
+        is in -- after the N-th backward, or at the ``add_weight`` that completes them -- one
+        small all-reduce agrees on the ranks' weight total and the window is normalised by it,
+        so ``p.grad`` shows the final sum / total weight before ``step()`` (a user's clip)."""
+        w = self.window
+        if not (self.weighted and w.complete) or w.weights_pending():
+            return
+        if not after_backward and len(w.weights) != w.micro_steps:
+            return  # (a weight beyond the window's micro-batches: agreed at the step)
+        device = next(iter(w.storage.buffers), torch.device("cpu"))
+        total = torch.tensor([w.local_weight()], dtype=torch.float64, device=device)
+        self.reducer.wait(dist.all_reduce(total, group=self.reducer.group, async_op=True),
+                          "weight")
+        if float(total) > 0:
+            w.normalise(float(total))
 
     def finish(self, found_inf: torch.Tensor) -> WindowTotals:
         """Reduce the window and agree on it; again in the same window (the first wrapper of
@@ -283,7 +303,8 @@ def make_sync(config, process_group, ddp, window, params):
     if process_group is not None:
         if ddp is not None:
             raise ValueError(BOTH_REDUCE)
-        return GroupSync(process_group, window, params)
+        return GroupSync(process_group, window, params,
+                         weighted=config.reduction == "weighted")
     return LocalSync(config.independent_ranks)
 
 

@@ -102,11 +102,20 @@ class DDPSync(LocalSync):
         # a param some rank has a gradient for is in p.grad on every rank; one no rank has
         # keeps p.grad None (DDP leaves globally unused params' .grad alone too)
         self.window.keep_only(self.params, self.totals.touched)
-        self.window.normalise(self.window.target_divisor(self.totals))
+        if not self.window.weights_pending():  # (else the weight that completes them does it)
+            self.window.normalise(self.window.target_divisor(self.totals))
         return True
 
     def weight_added(self) -> None:
-        if self.clean:
+        """A weight after the sync backward. The one that completes the window's weights
+        (``add_weight`` after each backward) is agreed on at once and the window normalised,
+        so ``p.grad`` is the final sum / total weight before ``step()`` (a user's clip)."""
+        if not self.clean:
+            return
+        if len(self.window.weights) == self.window.micro_steps:
+            self.totals, self.stale = self._agree(), False
+            self.window.normalise(self.window.target_divisor(self.totals))
+        else:
             self.stale = True
 
     def agreed_totals(self) -> WindowTotals | None:

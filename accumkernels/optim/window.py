@@ -92,6 +92,10 @@ class Window:
     def add_weight(self, value: float) -> None:
         self.weights.append(value)
 
+    def weights_pending(self) -> bool:
+        """``weighted``: a micro-batch of the window has no weight yet (reported after it)."""
+        return self._reduction == "weighted" and len(self.weights) < self.micro_steps
+
     def local_weight(self) -> float:
         return sum(w for i, w in enumerate(self.weights) if i not in self.dropped)
 

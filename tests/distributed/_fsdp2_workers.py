@@ -67,6 +67,49 @@ def build(mesh_shape: tuple[int, ...], *, dtype=torch.float32):
     return model
 
 
+class TPNet(torch.nn.Module):
+    """Every param tensor-parallel (torchtitan's plan: colwise, rowwise, a colwise head that
+    gathers its output), so FSDP2 puts all of them on one (dp, tp) mesh."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(16, 40)
+        self.l2 = torch.nn.Linear(40, 24)
+        self.head = torch.nn.Linear(24, 3)
+
+    def forward(self, x, use_extra: bool = True):
+        return self.head(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+def build_tp(mesh_shape: tuple[int, int]):
+    """TPNet: parallelize_module over the "tp" dim, then fully_shard over "dp" (bf16 compute,
+    fp32 reduce), the same init on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    torch.manual_seed(0)
+    model = TPNet()
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"l1": ColwiseParallel(), "l2": RowwiseParallel(),
+                                           "head": ColwiseParallel(output_layouts=Replicate())})
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model.l1, model.l2):
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    return model
+
+
+def dp_rank_and_size(model) -> tuple[int, int]:
+    """This rank's data-parallel index and the number of replicas (TP ranks share data)."""
+    mesh = next(model.parameters()).device_mesh
+    if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names:
+        return mesh.get_local_rank("dp"), mesh.size(0)
+    return dist.get_rank(), dist.get_world_size()
+
+
 def micro_batch(rank: int, window: int, i: int):
     g = torch.Generator().manual_seed(1000 * rank + 10 * window + i)
     return torch.randn(MICRO, 16, generator=g), torch.randn(MICRO, 3, generator=g)
@@ -90,18 +133,22 @@ def local_grads(model) -> list:
 
 def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", clip: str = "user",
           reduction: str = "sum", weights: bool = False, unused: bool = True,
-          wire: bool = False, outside_clear: bool = False) -> dict:
+          wire: bool = False, outside_clear: bool = False, tp: bool = False,
+          weight_first: bool = False) -> dict:
     """Three windows of ACCUM micro-batches; ``nosync``: "" (sync every micro-batch), "grad"
     (set_requires_gradient_sync) or "allreduce" (HSDP set_requires_all_reduce); ``clip``:
     "user" (clip_grad_norm_ before step) or "wrapper" (max_grad_norm); ``unused``: ``extra``
     and ``gate`` sit out every other micro-batch (FSDP2's HSDP partial reduce cannot take that:
     its running sum changes size); ``wire``: the opt-in bf16-wire reduce-scatter;
     ``outside_clear``: ``model.zero_grad()`` after each window's first micro-batch (natively that
-    drops it; the wrapper, with ``accumulation_steps=None``, must too)."""
+    drops it; the wrapper, with ``accumulation_steps=None``, must too); ``tp``: TPNet on a
+    (dp, tp) mesh; ``weight_first``: ``add_weight`` before each backward (else after).
+    Weighted: the native loop divides by the weight total right after the last backward, so
+    the gradients of that micro-batch compare with the wrapper's final ones."""
     from accumkernels import AccumulatingOptimizer
 
-    model = build(mesh_shape)
-    rank = dist.get_rank()
+    model = build_tp(mesh_shape) if tp else build(mesh_shape)
+    rank, replicas = dp_rank_and_size(model)
     opt = make_inner(model, inner)
     if wrap:
         opt = AccumulatingOptimizer(opt, accumulation_steps=None if outside_clear else ACCUM,
@@ -125,20 +172,24 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
             elif nosync == "allreduce":
                 model.set_requires_all_reduce(last)
             x, y = micro_batch(rank, w, i)
+            if wrap and weights and weight_first:
+                opt.add_weight(weight(rank, i))
             pred = model(x, use_extra=not unused or (w + i) % 2 == 0).float()
             loss = torch.nn.functional.mse_loss(pred, y,
                                                 reduction="sum" if weights else "mean")
             loss.backward()
-            if wrap and weights:
+            if wrap and weights and not weight_first:
                 opt.add_weight(weight(rank, i))
             if outside_clear and i == 0:
                 model.zero_grad()
+            if not wrap and weights and last:  # natively: divide by the replicas' weights
+                total = sum(weight(r, k) for r in range(replicas) for k in range(ACCUM))
+                torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None],
+                                    1.0 / total)
             grads.append(local_grads(model))
-        if not wrap and reduction != "sum":  # what the wrapper's reduction means, natively
-            total = sum(weight(r, i) for r in range(dist.get_world_size()) for i in range(ACCUM))
-            factor = 1.0 / (total if weights else ACCUM)
+        if not wrap and reduction == "mean":  # what the wrapper's reduction means, natively
             torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None],
-                                factor)
+                                1.0 / ACCUM)
         if clip == "user":
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor())
         opt.step()
@@ -176,7 +227,7 @@ def live_bytes() -> int:
 
 def scenario_pair(world: int, **kwargs) -> dict:
     """Native and wrapped runs of one configuration on this rank."""
-    mesh = (2, 2) if kwargs.pop("hsdp", False) else (world,)
+    mesh = (2, 2) if kwargs.pop("hsdp", False) or kwargs.get("tp") else (world,)
     native_kwargs = {k: v for k, v in kwargs.items() if k != "clip"}
     return {"native": train(mesh, wrap=False, **native_kwargs),
             "ours": train(mesh, wrap=True, **kwargs)}

@@ -178,7 +178,8 @@ def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
                  clip: float | None = None, native_clip_across: bool = False,
                  stage_norm: bool = False, nan_last_stage: bool | str = False,
                  dp_rank: int = 0, lr: float = LR, fused: bool = False,
-                 hidden: int | None = None, steps: int = STEPS) -> dict:
+                 hidden: int | None = None, steps: int = STEPS,
+                 forget_line: bool = False) -> dict:
     """STEPS schedule steps; returns {stage index: {"params": [...], counters...}} and, on the
     optimizer step that raised, the exception."""
     from torch.distributed.pipelining import PipelineStage
@@ -226,7 +227,7 @@ def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
         if clip is not None:
             kw["max_grad_norm"] = clip
         opts.append(AccumulatingOptimizer(inner, **kw))
-    if wrapper is not None:
+    if wrapper is not None and not forget_line:
         accumulate_weight_passes(stages)  # the README's one line
         if stage_norm:
             from accumkernels.integrations.pipelining import clip_across_stages
@@ -482,7 +483,46 @@ def two_d(rank: int, world: int) -> dict:
     return out
 
 
-SCENARIOS = {"schedules": schedules_fp32, "guard_and_clip": guard_and_clip, "two_d": two_d}
+def forgotten(rank: int, world: int) -> dict:
+    """``accumulate_weight_passes(stages)`` forgotten: the split-backward schedules raise at
+    every wrapper's ``step()`` on every rank, naming the line, with nothing stepped; the
+    schedules without a weight pass (GPipe, 1F1B) train as natively without it."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from accumkernels import AccumulatingOptimizer
+
+    out: dict = {}
+    for name in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        indices, num_stages = stage_indices(name, rank, world)
+        mods = [stage_module(i, num_stages, torch.float32) for i in indices]
+        stages = [PipelineStage(m, i, num_stages, torch.device("cpu"))
+                  for m, i in zip(mods, indices)]
+        opts = [AccumulatingOptimizer(torch.optim.AdamW(m.parameters(), lr=LR),
+                                      accumulation_steps=N_MB, independent_ranks=True)
+                for m in mods]
+        sched = build_schedule(name, stages, make_loss(), True)
+        x, target = batch(0)
+        sched.step(x, target=target)
+        before = [snapshot(m) for m in mods]
+        errors = []
+        for opt in opts:
+            try:
+                opt.step()
+                errors.append(None)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        out[name] = {"errors": errors, "untouched": all(
+            torch.equal(a, b) for m, snap in zip(mods, before)
+            for a, b in zip(snap, snapshot(m)))}
+    for name in ("GPipe", "1F1B"):
+        run = lambda **kw: run_pipeline(name, pp_rank=rank, pp_size=world, **kw)  # noqa: E731
+        out[name] = {"native": run(), "forgotten": run(wrapper={"accumulation_steps": N_MB},
+                                                       forget_line=True)}
+    return out
+
+
+SCENARIOS = {"schedules": schedules_fp32, "guard_and_clip": guard_and_clip, "two_d": two_d,
+             "forgotten": forgotten}
 
 
 def _rank_main(rank: int, out_dir: str, scenario: str, kwargs: dict) -> None:
