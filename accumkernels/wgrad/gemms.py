@@ -1,7 +1,9 @@
 """The weight-gradient GEMMs, the probe that checks one works, and the choice among them.
 
 Every GEMM has the signature ``gemm(view, dy2, x2, scale, overwrite, found_inf) -> bool``:
-``view`` (out, in) fp32 contiguous, ``dy2`` (K, out) and ``x2`` (K, in) in one dtype. It
+``view`` (out, in) fp32, dense in its weight's layout (row-major, or transposed for a weight built
+from a transposed view: every GEMM writes through the view's strides), ``dy2`` (K, out) and ``x2``
+(K, in) in one dtype. It
 computes ``view = (0 if overwrite else view) + scale * dy2^T x2`` in fp32 and returns True if it
 already set ``found_inf`` for a non-finite result (else the caller runs :func:`flag_nonfinite`).
 """
