@@ -166,7 +166,8 @@ SINGLE_CONSTRAINTS = [
 ]
 
 # -- multi-process axes ----------------------------------------------------------------------------
-LAYOUTS = ("ddp", "process_group", "fsdp2", "hsdp", "fsdp2-tp", "pipe-gpipe", "pipe-zbv")
+# (pipelines, GPipe and ZBV, are not in the table yet: tests/distributed/test_pipelining.py)
+LAYOUTS = ("ddp", "process_group", "fsdp2", "hsdp", "fsdp2-tp")
 MULTI_AXES = (
     Axis("layout", LAYOUTS),
     Axis("reduction", tuple(REDUCTIONS)),
@@ -178,9 +179,6 @@ MULTI_AXES = (
 MULTI_CONSTRAINTS = [
     _implies(_f("clip", "eq", "user"), {"operator": "or", "conditions": [
         _f("reduction", "eq", "sum"), _f("accum", "ne", "None")]}),
-    # the pipeline recipe's reductions: scale_grads with sum; the user clips per stage only
-    # through clip_across_stages (max_grad_norm)
-    _implies(_f("layout", "in", ["pipe-gpipe", "pipe-zbv"]), _f("clip", "ne", "user")),
 ]
 
 

@@ -41,3 +41,23 @@ def labels(case: dict) -> list[str]:
     if ckpt == "native-into-inner" and lowp_masters:
         out.append("38.3c")
     return out
+
+# found by the matrix itself (not in issues 37/38): reported to the lead with a repro
+BUGS["new-1"] = ("process_group: a user's clip_grad_norm_ before step() sees the window "
+                 "before its average over the ranks (norm x world)")
+
+
+def labels_multi(case: dict) -> list[str]:
+    """The known bugs a multi-process case's values reach."""
+    out = []
+    layout, red, clip = case["layout"], case["reduction"], case["clip"]
+    weighted = red.startswith("weighted")
+    if layout == "fsdp2-tp" and weighted:
+        out.append("37.5a")
+    if layout in ("fsdp2", "hsdp", "fsdp2-tp") and weighted and clip == "user":
+        out.append("37.5b")
+    if layout == "ddp" and red == "weighted-after" and clip == "user":
+        out.append("37.5c")
+    if layout == "process_group" and clip == "user":
+        out.append("new-1")
+    return out
