@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from _matrix_axes import ACCUMS, DTYPES, NONFINITES, OPTIMIZERS, REDUCTIONS, describe
 from _matrix_models import build, extra_used, loss_fn, micro_batch, same_start
-from _matrix_oracle import CLIP, LOWP, Reference
+from _matrix_oracle import CLIP, CLIP_LOOSE, LOWP, Reference
 
 from accumkernels import AccumulatingOptimizer
 
@@ -55,7 +55,8 @@ class Ctx:
             inner, accumulation_steps=self.accum.n,
             reduction=self.reduction.name, master_weights=self.masters,
             accumulate_in_backward=self.in_backward,
-            max_grad_norm=CLIP if self.clip == "max_grad_norm" else None,
+            max_grad_norm={"max_grad_norm": CLIP,
+                           "max_grad_norm-loose": CLIP_LOOSE}.get(self.clip),
             nonfinite=self.nonfinite.policy, loss_scale=self.loss_scale, bucket_size_mb=0.0005,
             model=model)
 
@@ -209,10 +210,17 @@ class WrapperSide:
                 raise
             rec["raised"] = True
         rec["skipped"] = opt.skipped_steps > skipped
-        if last and ctx.clip == "max_grad_norm" and not rec["skipped"] and not rec["raised"]:
+        if last and ctx.clip.startswith("max") and not rec["skipped"] and not rec["raised"]:
             rec["norm"] = opt.last_grad_norm
         opt.zero_grad(set_to_none=ctx.hands != "zero_grad-keep")
         return rec if last else None
+
+    def rewrite_state(self) -> None:
+        """hands=state-rewrite: every param's state assigned a copy of itself (natively a no-op
+        for the optimizer's behaviour)."""
+        if self.opt is not None and self.ctx.hands == "state-rewrite":
+            for p in list(self.opt.state):
+                self.opt.state[p] = dict(self.opt.state[p])
 
     def grads_now(self) -> list:
         """(param, what p.grad shows as fp32) for the mid-window comparison."""

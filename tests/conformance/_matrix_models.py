@@ -120,5 +120,7 @@ def loss_fn(model: nn.Module, x, y, summed: bool) -> torch.Tensor:
 
 
 def extra_used(w: int, i: int) -> bool:
-    """The 'unused' layout's extra layer: never in window 0, not in micro-batch 1 later."""
-    return w > 0 and i != 1
+    """The 'unused' layout's extra layer: never in window 0 (a param with no state at the
+    first boundary), in window 1 but its micro-batch 1, never in window 2 (its view holds
+    window 1's gradient unless the step zeroes what the window did not touch)."""
+    return w == 1 and i != 1
