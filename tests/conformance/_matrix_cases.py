@@ -7,7 +7,7 @@ import functools
 import os
 
 import pytest
-from _matrix_axes import MULTI, SINGLE, Plan, case_id, full_mode, generate
+from _matrix_axes import CLEAN, MULTI, SINGLE, Plan, case_id, full_mode, generate
 from _matrix_known import KNOWN_BUGS
 from _matrix_labels import BUGS
 
@@ -39,4 +39,4 @@ def params(plan: Plan) -> list:
     return out
 
 
-__all__ = ["MULTI", "SINGLE", "cases", "params"]
+__all__ = ["CLEAN", "MULTI", "SINGLE", "cases", "params"]

@@ -141,15 +141,15 @@ def make_loss(ctx: Ctx, model, w: int, i: int, x, y, scale) -> torch.Tensor:
 def reference_micro(ctx: Ctx, ref: Reference, w, i, x, y, weight) -> None:
     """The micro-batch natively. With accumulate_in_backward=False the wrapper's moves are
     where the gradients autograd summed in ``.grad`` (in the param dtype) join the fp32 sum:
-    accumulate() after micro-batch 0, the N-th backward, a weight pass's start, the step."""
+    accumulate() after micro-batch 0, the N-th backward, a weight pass's start, every step()."""
     loss = make_loss(ctx, ref.model, w, i, x, y, lambda t: t * ctx.loss_scale)
     mode = ctx.grads if i % 2 else "backward"
     if not ctx.in_backward and mode.startswith("wp"):
         ref.flush()
     ref.add(reference_grads(ref.model, loss, mode),
             weight if ctx.reduction.name == "weighted" else None)
-    if not ctx.in_backward and (i == 0 or i + 1 == ctx.accum.n):
-        ref.flush()
+    if not ctx.in_backward and (i == 0 or i + 1 == ctx.accum.n or ctx.accum.step_every_micro):
+        ref.flush()  # (a step() mid-window moves them too)
 
 
 def reference_finish(ctx: Ctx, ref: Reference, last: bool):

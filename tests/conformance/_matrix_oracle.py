@@ -110,12 +110,14 @@ class Reference:
         self.flush()
         if self.acc and not finite(self.acc.values()):
             out["raised" if self.ctx.nonfinite.policy == "raise" else "skipped"] = True
+            if self.ctx.clip == "user":  # the user's clip_grad_norm_ measures it all the same
+                out["norm"] = torch.nn.utils.get_total_norm(list(self.acc.values()), 2.0)
             self.drop()
             return out
         order = [p for p in self.params if id(p) in self.acc]
         div = self.divisor() if order else 1.0
         grads = [self.acc[id(p)] / div if div != 1.0 else self.acc[id(p)] for p in order]
-        if grad_mul:
+        if grad_mul and grads:
             torch._foreach_mul_(grads, 0.5)
         if self.ctx.clip != "none" and grads:
             out["norm"] = clip_(grads, CLIP_LOOSE if self.ctx.clip.endswith("loose") else CLIP)

@@ -22,7 +22,11 @@ from _spawn import run_scenario, spawn_ranks
 
 WINDOWS, MICRO, BATCH, CLIP = 2, 3, 4, 0.05
 NAN_AT = (1, 1)
-WORLD = {"ddp": 2, "process_group": 2, "fsdp2": 2, "hsdp": 4, "fsdp2-tp": 4}
+# which launch runs a layout's cases (world size, and the guard's own launch: a rank that
+# raises inside a schedule must not strand the next cases)
+LAUNCH = {"ddp": "w2", "process_group": "w2", "fsdp2": "w2", "pipe-gpipe": "w2",
+          "pipe-zbv": "w2", "hsdp": "w4", "fsdp2-tp": "w4", "pipe-zbv-forgotten": "w2-guard"}
+WORLD = {"w2": 2, "w4": 4, "w2-guard": 2}
 
 
 class Net(torch.nn.Module):
@@ -173,12 +177,73 @@ def _observe(rec: dict, model) -> dict:
     return rec
 
 
+def train_pipe(case: dict, wrap: bool) -> list[dict]:
+    """A pipeline case (2 ranks, _pipelining_workers.run_pipeline: AdamW, 4 micro-batches per
+    schedule step, 3 steps); one record: every local stage's params and the clip norms. The
+    native reference: the schedule's scale_grads for sum and mean, the summed loss divided by
+    the weights for weighted, torchtitan's clip by the whole pipeline's norm."""
+    from _pipelining_workers import N_MB, run_pipeline
+
+    red = REDUCTIONS[case["reduction"]].name
+    schedule = "GPipe" if case["layout"] == "pipe-gpipe" else "ZBVZeroBubble"
+    kw = {"pp_rank": dist.get_rank(), "pp_size": dist.get_world_size(),
+          "fused": case["optimizer"].endswith("fused")}
+    clip = case["clip"] == "max_grad_norm"
+    nan = case["nonfinite"] != "none"
+    if clip:
+        kw["clip"] = CLIP
+    if red == "weighted":
+        kw.update(weighted=True, scale_grads=False)
+    if not wrap:
+        kw.update(native_divide_by_weight=red == "weighted", native_clip_across=clip,
+                  native_skip_nan_step=nan)
+        out = run_pipeline(schedule, **kw)
+    else:
+        wrapper = {"reduction": red}
+        if case["accum"] == "N":
+            wrapper["accumulation_steps"] = N_MB
+        if red == "mean":
+            kw["scale_grads"] = False
+        out = run_pipeline(schedule, wrapper=wrapper, stage_norm=clip, nan=nan, **kw)
+    stages = sorted(k for k in out if isinstance(k, int))
+    params = {f"stage{i}.{k}": t for i in stages for k, t in enumerate(out[i]["params"])}
+    # (the wrapper's: every local stage's last_grad_norm, the whole pipeline's: the first)
+    norms = [n[0] if isinstance(n, list) else n for n in out["norms"]]
+    if nan:  # the skipped step's norm: the NaN run's against a native run without the NaN
+        from _pipelining_workers import NAN_STEP
+        norms = [n for k, n in enumerate(norms) if k != NAN_STEP]
+    norm = torch.tensor(norms, dtype=torch.float64) if norms else None
+    return [{"skipped": False, "norm": norm, "params": params}]
+
+
+def train_forgotten(case: dict) -> str | None:
+    """ZBV with accumulate_weight_passes(stages) left out: the contract (issue 37, item 4) is a
+    clear error naming it, on every rank, before anything is stepped."""
+    import accumkernels.integrations.pipelining as pipelining
+
+    line = pipelining.accumulate_weight_passes
+    pipelining.accumulate_weight_passes = lambda stages: None  # the user forgot it
+    try:
+        train_pipe(dict(case, layout="pipe-zbv"), wrap=True)
+    except Exception as exc:  # noqa: BLE001 -- what it raises is checked
+        if "accumulate_weight_passes" in str(exc):
+            return None
+        return f"raised without naming accumulate_weight_passes: {type(exc).__name__}: {exc}"
+    finally:
+        pipelining.accumulate_weight_passes = line
+    return "no error without accumulate_weight_passes(stages): the run went on silently"
+
+
 def compare(case: dict, native: list, ours: list) -> str | None:
     """The first departure (a message), or None."""
     for k, (a, b) in enumerate(zip(ours, native)):
         if a["skipped"] != b["skipped"]:
             return f"step {k}: the wrapper {'skipped' if a['skipped'] else 'stepped'}, " \
                    f"native {'skipped' if b['skipped'] else 'stepped'}"
+        if a["norm"] is not None and b["norm"] is not None and a["norm"].shape != \
+                b["norm"].shape:
+            return f"step {k}: clip norms of shape {tuple(a['norm'].shape)}, native's " \
+                   f"{tuple(b['norm'].shape)}"
         pairs = [("clip norm", a["norm"], b["norm"])] + [
             (f"param[{n}]", a["params"][n], b["params"][n]) for n in b["params"]]
         for name, x, y in pairs:
@@ -196,8 +261,13 @@ def compare(case: dict, native: list, ours: list) -> str | None:
 def run_cases(cases: dict) -> dict:
     out = {}
     for cid, case in cases.items():
+        layout = case["layout"]
+        run = train_pipe if layout.startswith("pipe") else train
         try:
-            out[cid] = compare(case, train(case, wrap=False), train(case, wrap=True))
+            if layout == "pipe-zbv-forgotten":
+                out[cid] = train_forgotten(case)
+                continue
+            out[cid] = compare(case, run(case, wrap=False), run(case, wrap=True))
         except Exception as exc:  # noqa: BLE001 -- reported per case
             out[cid] = f"raised {type(exc).__name__}: {exc}"
     return out
@@ -209,9 +279,10 @@ def _rank_main(rank: int, out_dir: str, name: str, kwargs: dict) -> None:
     run_scenario(rank, out_dir, kwargs["world"], lambda: run_cases(kwargs["cases"]))
 
 
-def launch(out_dir: str, world: int, cases: dict, timeout: float) -> dict:
-    """{case id: departure message or None} (rank 0's; a departure on any rank counts)."""
-    results = spawn_ranks(_rank_main, out_dir, f"conformance-{world}",
+def launch(out_dir: str, name: str, cases: dict, timeout: float) -> dict:
+    """{case id: departure message or None} (the first rank's that departs)."""
+    world = WORLD[name]
+    results = spawn_ranks(_rank_main, out_dir, f"conformance-{name}",
                           {"world": world, "cases": cases}, world, timeout)
     merged = {}
     for cid in cases:

@@ -30,8 +30,9 @@ def _tol(ctx: Ctx, name: str, dtype: torch.dtype) -> float:
         return 0.0
     if dtype in LOWP:
         return LOWP_PARAM_RTOL[dtype] * (1 if ctx.masters == "auto" else 4)
-    if ctx.masters != "auto" and ctx.dtype in LOWP:
-        return LOWP_PARAM_RTOL[ctx.dtype] * 4  # norms of low-precision grads without masters
+    if ctx.masters != "auto" and (ctx.dtype in LOWP or ctx.params == "mixed"):
+        # low-precision params stepped without masters: their rounding reaches every value
+        return LOWP_PARAM_RTOL[ctx.dtype if ctx.dtype in LOWP else torch.bfloat16] * 4
     return RTOL
 
 
@@ -79,6 +80,8 @@ class Checker:
                           f"{'did' if want[key] else 'did not'}")
         self.close(where, "clip norm", got["norm"], want["norm"])
         mine, ref = side.observed(), judge.observed()
+        if not all(bool(torch.isfinite(t).all()) for t in ref.values()):
+            self.fail(where, "native's own run went non-finite (a case the table must exclude)")
         if set(mine) != set(ref):
             self.fail(where, f"observed {sorted(mine)}, native {sorted(ref)}")
         for name in ref:

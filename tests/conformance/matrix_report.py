@@ -3,7 +3,7 @@ PASS (with the largest relative difference seen) or FAIL (the departure), then t
 coverage and the runtime. ``--known`` prints the KNOWN_BUGS entries the failures call for
 (each must be explained by a label of _matrix_labels; an unexplained failure is printed as such).
 
-    PYTHONPATH=$PWD python tests/conformance/matrix_report.py [--known] [case ids...]
+    PYTHONPATH=$PWD python tests/conformance/matrix_report.py [--known] [--clean] [case ids...]
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from _matrix_run import run_case  # noqa: E402
 
 def main(argv: list[str]) -> int:
     known = "--known" in argv
+    plan = axes.CLEAN if "--clean" in argv else axes.SINGLE
     only = [a for a in argv if not a.startswith("--")]
-    rows, stats = axes.generate(axes.SINGLE)
+    rows, stats = axes.generate(plan)
     start, failed, entries = time.monotonic(), 0, []
     for k, case in enumerate(rows):
-        cid = axes.case_id(axes.SINGLE, k)
+        cid = axes.case_id(plan, k)
         if only and cid not in only:
             continue
         t = time.monotonic()

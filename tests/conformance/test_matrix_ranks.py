@@ -11,22 +11,22 @@ import tempfile
 import pytest
 from _matrix_axes import describe
 from _matrix_cases import MULTI, cases, params
-from _matrix_ranks import WORLD, launch
+from _matrix_ranks import LAUNCH, launch
 
 DEADLINE = 240.0
 
 
 @functools.cache
-def _results(world: int) -> dict:
-    mine = {cid: c for cid, c in cases(MULTI)[0].items() if WORLD[c["layout"]] == world}
+def _results(name: str) -> dict:
+    mine = {cid: c for cid, c in cases(MULTI)[0].items() if LAUNCH[c["layout"]] == name}
     with tempfile.TemporaryDirectory() as tmp:
-        return launch(tmp, world, mine, DEADLINE)
+        return launch(tmp, name, mine, DEADLINE)
 
 
 @pytest.mark.parametrize("cid", params(MULTI))
 def test_case(cid):
     case = cases(MULTI)[0][cid]
-    msg = _results(WORLD[case["layout"]])[cid]
+    msg = _results(LAUNCH[case["layout"]])[cid]
     assert msg is None, f"case {cid} [{describe(case)}] departs from native at {msg}"
 
 
