@@ -19,7 +19,7 @@ import copy
 
 import torch
 from _matrix_loop import Departure, WrapperSide, roundtrip
-from _matrix_models import build, same_start
+from _matrix_models import build, match_layout, same_start
 from _matrix_oracle import Reference
 
 
@@ -72,6 +72,7 @@ def dcp_flat(side: WrapperSide):
     msd, osd = roundtrip(get_state_dict(side.model, side.opt, options=options))
     ctx = side.ctx
     model = build(ctx.params, ctx.dtype, ctx.seed + 1)  # other weights: the load must set them
+    match_layout(model, side.model)
     opt = ctx.wrap(model)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
     try:

@@ -17,6 +17,7 @@ BUGS = {
     "38.3a": "a step-0 state dict into a native optimizer",
     "38.3b": "a never-stepped param's state into a native optimizer",
     "38.3c": "a native state dict into the inner optimizer after wrapping",
+    "38.4": "a master that missed the user's write (read before the next real step)",
 }
 
 
@@ -40,6 +41,8 @@ def labels(case: dict) -> list[str]:
         out.append("38.3b")
     if ckpt == "native-into-inner" and lowp_masters:
         out.append("38.3c")
+    if case["hands"] == "data-write" and lowp_masters:
+        out.append("38.4")
     return out
 
 # found by the matrix itself (not in issues 37/38): reported to the lead with a repro
@@ -104,6 +107,7 @@ KNOWN_EXCLUSIONS = {
     "38.3a": [_f("checkpoint", "ne", "native-step0")],
     "38.3b": [_not(_all(_f("checkpoint", "eq", "to-native"), _f("params", "eq", "unused")))],
     "38.3c": [_not(_all(_f("checkpoint", "eq", "native-into-inner"), _LOWP_MASTERS))],
+    "38.4": [_not(_all(_f("hands", "eq", "data-write"), _LOWP_MASTERS))],
 }
 
 
@@ -121,7 +125,8 @@ SINGLE_WITNESSES = [dict(_BASE, **kw) for kw in (
     {"grads": "wp-nested", "accum": "None"},  # 37.3a
     {"grads": "wp-raise", "accum": "None"},  # 37.3b
     {"grads": "wp-mixed", "reduction": "mean"},  # 37.3c
-    {"grads": "wp-assign", "in_backward": False, "reduction": "mean"},  # 37.3d
+    {"grads": "wp-assign", "in_backward": False, "reduction": "mean",
+     "accum": "N-short-last"},  # 37.3d (steps at boundaries: the block moves with a backward)
     {"dtype": "bf16", "checkpoint": "save-load"},  # 38.2 masters: load, then state_dict()
     {"dtype": "bf16", "checkpoint": "deepcopy"},  # 38.2 masters: load, then deepcopy
     {"checkpoint": "native-step0"},  # 38.3a a step-0 state dict into native AdamW

@@ -100,6 +100,16 @@ def same_start(model: nn.Module, params: str, dtype: torch.dtype, seed: int) -> 
     """A fresh model of the same layout holding ``model``'s current weights."""
     fresh = build(params, dtype, seed)
     fresh.load_state_dict(model.state_dict())
+    return match_layout(fresh, model)
+
+
+def match_layout(fresh: nn.Module, like: nn.Module) -> nn.Module:
+    """Give ``fresh``'s params the strides of ``like``'s (a user who rebuilds a model after
+    ``p.data = p.data.t()`` re-applies it): a matmul's rounding depends on the layout."""
+    with torch.no_grad():
+        for p, q in zip(fresh.parameters(), like.parameters()):
+            if p.stride() != q.stride():
+                p.data = torch.empty_strided(q.shape, q.stride(), dtype=p.dtype).copy_(p)
     return fresh
 
 

@@ -161,6 +161,16 @@ class Reference:
         self.acc = {k: torch.zeros_like(v) for k, v in self.acc.items()} if keep else {}
         self.kept, self.weights = 0, []
 
+    def transpose(self, p) -> None:
+        """``p.data = p.data.t()``: the same memory seen transposed; a master is the weight's
+        fp32 value, so it is seen transposed too (no value changed, none taken in)."""
+        with torch.no_grad():
+            p.data = p.data.t()
+            master = self.masters.get(id(p))
+            if master is not None:
+                master.data = master.data.t()
+                self.casts[id(p)] = p.detach().clone()
+
     def reload_like_native(self) -> None:
         """What a native optimizer's state dict loaded into an optimizer over the model's params
         means: torch casts the state to the param's dtype; the masters come from the model."""
@@ -175,7 +185,9 @@ class Reference:
                 master.copy_(p.float())
 
     def observed(self) -> dict[str, torch.Tensor]:
-        """What is compared after each step: the model's params and the fp32 masters."""
+        """What is compared after each step: the model's params and the fp32 masters (a master
+        read is the weight's value as the user left it: a write is taken in, issue 38 item 4)."""
+        self.resync()
         out = {f"param[{n}]": p.detach().clone() for n, p in self.model.named_parameters()}
         masters = [self.masters[id(p)] for p in self.params if id(p) in self.masters]
         for i, m in enumerate(masters):

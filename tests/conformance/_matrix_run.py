@@ -127,7 +127,7 @@ def run_case(case: dict, cid: str) -> float:
                 step_no += 1
             if (w, i) == CKPT_AT:
                 _hook(MID, ctx, side, where)
-        _hands(ctx, side.model, judge.model)
+        _hands(ctx, side.model, judge)
         if w == 0:
             _hook(BOUNDARY, ctx, side, "the boundary after window 0")
             if ctx.checkpoint == "native-into-inner":
@@ -153,12 +153,13 @@ def _hook(table: dict, ctx: Ctx, side: WrapperSide, where: str) -> None:
                         f"{ctx.checkpoint} raised {type(exc).__name__}: {exc}") from exc
 
 
-def _hands(ctx: Ctx, *models) -> None:
+def _hands(ctx: Ctx, model, judge: Reference) -> None:
     """The user's hands between windows, on both sides alike."""
-    for model in models:
-        with torch.no_grad():
+    with torch.no_grad():
+        for m in (model, judge.model):
             if ctx.hands == "data-write":
-                p = next(model.parameters())
+                p = next(m.parameters())
                 p.data = p.data * 0.9
-            elif ctx.hands == "data-transpose":
-                model.square.data = model.square.data.t()
+        if ctx.hands == "data-transpose":
+            model.square.data = model.square.data.t()
+            judge.transpose(judge.model.square)

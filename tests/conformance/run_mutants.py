@@ -29,7 +29,7 @@ OLD_TESTS = {
     "b": ["tests/optim/test_weight_pass.py", "tests/optim/test_intake.py"],
     "c": ["tests/optim/test_checkpoint_live_state.py"],
     "d": ["tests/optim/test_weight_pass.py", "tests/optim/test_loss_scale.py"],
-    "e": ["tests/optim/test_window.py", "tests/optim/test_native_equivalence.py"],
+    "e": ["tests/optim/test_window.py", "tests/optim/test_nonfinite.py"],
     "f": ["tests/optim/test_intake.py", "tests/optim/test_user_hands.py"],
     "g": ["tests/optim/test_checkpoint.py", "tests/optim/test_checkpoint_resume.py"],
 }
