@@ -61,3 +61,13 @@ DEVICE_BACKENDS = [
 def _fresh_seed(request):
     """A different seed per test (derived from its id) so data is random but reproducible."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--conformance", choices=("ci", "full"), default="ci",
+                     help="tests/conformance: 'full' covers every 3-way combination (slow)")
+
+
+def pytest_configure(config):
+    if config.getoption("--conformance") == "full":
+        os.environ["ACCUMKERNELS_CONFORMANCE"] = "full"

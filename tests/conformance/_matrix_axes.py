@@ -1,0 +1,266 @@
+"""The conformance matrix's table: every axis the README claims, each value a small dataclass,
+the constraints between them, and the covering array over them (``covertable``).
+
+DEVELOPERS' convention: a new feature adds its value here (and, where the loop must do something
+new, one branch in _matrix_loop.py / _matrix_ranks.py); its cross with every other value of every
+other axis then comes for free from the covering array. A value that cannot meet another gets a
+constraint below, with the reason.
+
+Case ids are ``<part>-<index>`` in the generated order; the order depends only on the table, the
+constraints and ``SALT`` (covertable's hash sorter is deterministic), so an id reproduces.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+SALT = "accumkernels-conformance-1"
+
+
+@dataclass(frozen=True)
+class Opt:
+    """An inner optimizer: class name, constructor kwargs, implementation flag."""
+
+    cls: str
+    impl: str  # "forloop", "foreach", "fused"
+    kwargs: tuple = ()
+
+    def build(self, params):
+        kw = dict(self.kwargs)
+        if self.impl != "forloop":
+            kw[self.impl] = True
+        else:
+            kw["foreach"] = False
+        return getattr(torch.optim, self.cls)(params, **kw)
+
+
+SGD_KW = (("lr", 0.1), ("momentum", 0.9), ("nesterov", True), ("weight_decay", 0.01))
+ADAM_KW = (("lr", 0.02), ("weight_decay", 0.01))
+OPTIMIZERS = {
+    f"{c.lower()}-{impl}": Opt(c, impl, kw)
+    for c, kw in (("SGD", SGD_KW), ("Adam", ADAM_KW), ("AdamW", ADAM_KW))
+    for impl in ("forloop", "foreach", "fused")
+}
+OPTIMIZERS["rmsprop-foreach"] = Opt("RMSprop", "foreach", (("lr", 0.01), ("momentum", 0.5)))
+OPTIMIZERS["adagrad-forloop"] = Opt("Adagrad", "forloop", (("lr", 0.1),))
+
+
+@dataclass(frozen=True)
+class Reduction:
+    name: str  # the wrapper's reduction
+    weight_after: bool = False  # weighted: add_weight after the micro-batch's backward
+
+
+REDUCTIONS = {
+    "sum": Reduction("sum"),
+    "mean": Reduction("mean"),
+    "weighted-before": Reduction("weighted"),
+    "weighted-after": Reduction("weighted", weight_after=True),
+}
+
+
+@dataclass(frozen=True)
+class Accum:
+    """accumulation_steps and how the loop calls step()."""
+
+    n: int | None  # accumulation_steps
+    step_every_micro: bool  # step() after every micro-batch (no-ops until the window is full)
+    short_last: bool = False  # the last window has fewer micro-batches
+
+
+ACCUMS = {
+    "N": Accum(3, True),
+    "None": Accum(None, False),
+    "N-short-last": Accum(3, False, short_last=True),
+}
+
+
+@dataclass(frozen=True)
+class Nonfinite:
+    policy: str
+    nan: bool  # a NaN micro-batch in the second window
+
+
+NONFINITES = {
+    "none": Nonfinite("skip_step", False),
+    "nan-skip_step": Nonfinite("skip_step", True),
+    "nan-skip_microbatch": Nonfinite("skip_microbatch", True),
+    "nan-raise": Nonfinite("raise", True),
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    values: tuple
+    doc: str = ""
+
+
+# -- single-process axes ---------------------------------------------------------------------------
+# (the params layouts are the model builders of _matrix_models.py, by these names)
+SINGLE_AXES = (
+    Axis("params", ("contiguous", "channels_last", "transposed", "tied", "frozen", "unused",
+                    "mixed"), "param layouts (_matrix_models.MODELS)"),
+    Axis("dtype", tuple(DTYPES), "model dtype; fp16 runs with loss_scale=1024"),
+    Axis("optimizer", tuple(OPTIMIZERS), "inner optimizer class x implementation"),
+    Axis("reduction", tuple(REDUCTIONS)),
+    Axis("accum", tuple(ACCUMS)),
+    Axis("clip", ("none", "max_grad_norm", "max_grad_norm-loose", "user"),
+         "max_grad_norm=0.5 (acting), =1e3 (never acting), the user's clip_grad_norm_(0.5)"),
+    Axis("nonfinite", tuple(NONFINITES)),
+    Axis("grads", ("backward", "assigned", "wp-assign", "wp-mixed", "wp-nested", "wp-raise"),
+         "how gradients arrive on odd micro-batches (even ones: a plain backward)"),
+    Axis("in_backward", (True, False), "accumulate_in_backward"),
+    Axis("masters", ("auto", False), "master_weights"),
+    Axis("hands", ("none", "zero_grad-keep", "grad-mul", "data-write", "data-transpose",
+                   "state-rewrite"),
+         "the user's hands between calls; state-rewrite: every opt.state[p] assigned a copy of "
+         "itself before the first step and between windows (what device-moving tools do)"),
+    Axis("checkpoint", ("none", "save-load", "dcp-flat", "deepcopy", "native-step0",
+                        "to-native", "native-into-inner"),
+         "mid-window through torch.save/load(weights_only) / DCP flattened / load+deepcopy; "
+         "to and from native optimizers"),
+)
+
+
+def _f(name, op, value):
+    if op == "in":
+        return {"operator": "in", "left": name, "values": list(value)}
+    return {"operator": op, "left": name, "value": value}
+
+
+def _implies(cond, then):
+    """cond -> then, as covertable's declarative condition."""
+    return {"operator": "or", "conditions": [{"operator": "not", "condition": cond}, then]}
+
+
+SINGLE_CONSTRAINTS = [
+    # 'mixed' is an fp32 model with one bf16 layer; the square weight 'data-transpose' turns
+    # lives in the MLP builders (not the conv net)
+    _implies(_f("params", "eq", "mixed"), _f("dtype", "eq", "fp32")),
+    _implies(_f("hands", "eq", "data-transpose"), _f("params", "ne", "channels_last")),
+    # a user's clip_grad_norm_ before step() sees the normalised window only once the N-th
+    # backward is in (README: "otherwise the step normalises"): not without N, not in a short
+    # last window
+    _implies(_f("clip", "eq", "user"), {"operator": "or", "conditions": [
+        _f("reduction", "eq", "sum"), _f("accum", "eq", "N")]}),
+    # an assigned .grad (outside weight_pass) replaces the param's gradient and is no
+    # micro-batch of its own: only a sum without N counts alike natively; it holds the
+    # unscaled gradient; it is no backward to drop alone; with in_backward=False .grad holds
+    # unmoved gradients
+    _implies(_f("grads", "eq", "assigned"), {"operator": "and", "conditions": [
+        _f("reduction", "eq", "sum"), _f("accum", "eq", "None"), _f("dtype", "eq", "fp32"),
+        _f("nonfinite", "ne", "nan-skip_microbatch"), _f("in_backward", "eq", True)]}),
+    # how many micro-batches a nested block or one that raised counts is not specified:
+    # sum without N, where the count does not matter
+    _implies(_f("grads", "in", ["wp-nested", "wp-raise"]), {"operator": "and", "conditions": [
+        _f("reduction", "eq", "sum"), _f("accum", "eq", "None")]}),
+    # fp16 params stepped without masters by an optimizer with eps=1e-8 (0 in fp16) go NaN,
+    # natively too: no training left to compare
+    _implies({"operator": "and", "conditions": [_f("dtype", "eq", "fp16"),
+                                                _f("masters", "eq", False)]},
+             _f("optimizer", "in", ["sgd-forloop", "sgd-foreach", "sgd-fused"])),
+    # torch's fused SGD (momentum) raises TypeError natively for a param whose first gradient
+    # comes after its first step (the 'unused' layer)
+    _implies(_f("optimizer", "eq", "sgd-fused"), _f("params", "ne", "unused")),
+    # a native optimizer on low-precision params is no master-weight oracle
+    _implies(_f("checkpoint", "in", ["native-step0", "to-native"]), _f("dtype", "eq", "fp32")),
+    _implies(_f("checkpoint", "in", ["native-step0", "to-native"]),
+             _f("params", "ne", "mixed")),
+    # a checkpoint loaded to or from a native optimizer holds no window: at a boundary
+    _implies(_f("checkpoint", "in", ["native-step0", "to-native", "native-into-inner"]),
+             _f("nonfinite", "eq", "none")),
+]
+
+# -- multi-process axes ----------------------------------------------------------------------------
+# pipe-zbv-forgotten: ZBV without accumulate_weight_passes(stages): a clear error is expected
+LAYOUTS = ("ddp", "process_group", "fsdp2", "hsdp", "fsdp2-tp", "pipe-gpipe", "pipe-zbv",
+           "pipe-zbv-forgotten")
+PIPES = ["pipe-gpipe", "pipe-zbv", "pipe-zbv-forgotten"]
+MULTI_AXES = (
+    Axis("layout", LAYOUTS),
+    Axis("reduction", tuple(REDUCTIONS)),
+    Axis("clip", ("none", "max_grad_norm", "user")),
+    Axis("accum", ("N", "None")),
+    Axis("optimizer", ("sgd-foreach", "adamw-fused", "adamw-forloop")),
+    Axis("nonfinite", ("none", "nan-skip_step")),
+)
+MULTI_CONSTRAINTS = [
+    _implies(_f("clip", "eq", "user"), {"operator": "or", "conditions": [
+        _f("reduction", "eq", "sum"), _f("accum", "ne", "None")]}),
+    # a pipeline's backwards run inside schedule.step(): weights are reported before it; its
+    # optimizer is AdamW (fused or not), clipped across the stages (clip_across_stages)
+    _implies(_f("layout", "in", PIPES), {"operator": "and", "conditions": [
+        _f("reduction", "ne", "weighted-after"), _f("clip", "ne", "user"),
+        _f("optimizer", "ne", "sgd-foreach")]}),
+    # the forgotten line is one check (a clear error expected), not crossed with the rest
+    _implies(_f("layout", "eq", "pipe-zbv-forgotten"), {"operator": "and", "conditions": [
+        _f("reduction", "eq", "sum"), _f("clip", "eq", "none"), _f("accum", "eq", "N"),
+        _f("optimizer", "eq", "adamw-fused"), _f("nonfinite", "eq", "none")]}),
+]
+
+
+@dataclass(eq=False)
+class Plan:
+    part: str
+    axes: tuple
+    constraints: list
+    triples: list = field(default_factory=list)  # axis names covered 3-way
+    presets: list = field(default_factory=list)  # rows that come first (the witnesses)
+
+
+def _witnesses(name: str) -> list:
+    import _matrix_labels
+
+    return getattr(_matrix_labels, name)
+
+
+SINGLE = Plan("s", SINGLE_AXES, SINGLE_CONSTRAINTS,
+              [("dtype", "reduction", "checkpoint")], _witnesses("SINGLE_WITNESSES"))
+
+
+def _clean() -> Plan:
+    from _matrix_labels import KNOWN_EXCLUSIONS
+
+    extra = [c for conds in KNOWN_EXCLUSIONS.values() for c in conds]
+    return Plan("c", SINGLE_AXES, SINGLE_CONSTRAINTS + extra,
+                [("dtype", "reduction", "checkpoint")])
+
+
+CLEAN = _clean()  # the single-process table without the values known bugs need
+MULTI = Plan("m", MULTI_AXES, MULTI_CONSTRAINTS, [("layout", "reduction", "clip")],
+             _witnesses("MULTI_WITNESSES"))
+
+
+def full_mode() -> bool:
+    """The exhaustive run: ACCUMKERNELS_CONFORMANCE=full or pytest --conformance=full."""
+    return os.environ.get("ACCUMKERNELS_CONFORMANCE", "") == "full"
+
+
+def generate(plan: Plan, strength: int = 2) -> tuple[list[dict], dict]:
+    """The covering array (every pair, every triple of ``plan.triples``) and the generator's
+    stats. With ``strength`` > 2 (full mode) every ``strength``-tuple of every axis."""
+    from covertable.main import Controller
+
+    factors = {a.name: list(a.values) for a in plan.axes}
+    subs = [{"fields": list(t), "strength": 3} for t in plan.triples] if strength == 2 else []
+    ctrl = Controller(factors, strength=strength, salt=SALT, constraints=plan.constraints,
+                      sub_models=subs, presets=[dict(p) for p in plan.presets])
+    rows = ctrl.make()
+    order = [a.name for a in plan.axes]
+    cases = [{k: row[k] for k in order} for row in rows]
+    assert cases[:len(plan.presets)] == plan.presets, "a witness row was not kept as given"
+    return cases, dict(ctrl.stats)
+
+
+def case_id(plan: Plan, index: int) -> str:
+    return f"{plan.part}{index:03d}"
+
+
+def describe(case: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in case.items())
