@@ -287,7 +287,8 @@ def _template_keys(parts) -> dict:
 @torch.no_grad()
 def template_state(parts, meta: bool = False, only: set[int] | None = None) -> dict:
     """The state a fresh inner optimizer would be loaded with: an lr=0 step on zero gradients
-    (what ``get_state_dict`` does to a fresh native optimizer) with each ``step`` set back to 0,
+    without weight decay (what ``get_state_dict`` does to a fresh native optimizer, less the
+    decay term it leaves in the moments) with each ``step`` set back to 0,
     so that a native optimizer loading it takes its first step as a fresh one does (AdamW's
     zero moments at step 0; SGD's zero momentum buffer). Keyed by position over the inner
     optimizer's groups; ``only``: the ids of the params wanted (default: all). Taken on a copy
@@ -314,9 +315,13 @@ def template_state(parts, meta: bool = False, only: set[int] | None = None) -> d
     for k in protocol_registries:
         copy.__dict__[k] = type(copy.__dict__[k])()
     plain = {k: False for k in ("foreach", "fused", "capturable") if meta and k in inner.defaults}
+    # lr 0 and no weight decay: L2 decay on a zero gradient would put wd * p into SGD's
+    # momentum buffer and Adam's moments, which a fresh optimizer does not have.
     copy.param_groups = [{**g, **plain, **({"lr": torch.zeros_like(g["lr"])
                                             if torch.is_tensor(g["lr"]) else 0.0}
-                                           if "lr" in g else {})} for g in groups]
+                                           if "lr" in g else {}),
+                          **({"weight_decay": 0.0} if "weight_decay" in g else {})}
+                         for g in groups]
     copy.state = defaultdict(dict)
     for c in clones:
         c.grad = torch.zeros_like(c) if c.requires_grad else None
