@@ -83,13 +83,31 @@ class Config:
 
 
 # -- rank side -----------------------------------------------------------------------------------
-class WireCounter:
-    """Wraps the torch.distributed collectives FSDP2 and accumkernels call; counts the bytes
-    one rank sends, by kind."""
+class _PatchedCollectives:
+    """Replaces the torch.distributed collectives FSDP2 and accumkernels call with
+    ``self._wrap(name, fn)`` while entered; restores them on exit."""
 
     KINDS = {"reduce_scatter_single": "rs", "reduce_scatter_tensor": "rs",
              "all_to_all_single": "rs", "all_gather_single": "all_gather",
              "all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce"}
+    saved: dict
+
+    def _wrap(self, name: str, fn):
+        raise NotImplementedError
+
+    def __enter__(self):
+        for name in self.KINDS:
+            self.saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self.saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+class WireCounter(_PatchedCollectives):
+    """Counts the bytes one rank sends through the collectives, by kind."""
 
     def __init__(self):
         self.row: str | None = None  # counting while set
@@ -113,18 +131,7 @@ class WireCounter:
             return fn(*args, **kwargs)
         return counted
 
-    def __enter__(self) -> WireCounter:
-        for name in self.KINDS:
-            self.saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, self.saved[name]))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
-
-
-class SettledCollectives:
+class SettledCollectives(_PatchedCollectives):
     """Wraps the same collectives so that a synchronous one returns only once gloo has let go of
     its tensors. Gloo runs a collective on a worker thread that marks it complete (which wakes the
     caller) and only then drops its ``Work``, the last C++ reference to the output and input
@@ -153,16 +160,6 @@ class SettledCollectives:
                     time.sleep(0.0002)
             return out
         return settled
-
-    def __enter__(self) -> SettledCollectives:
-        for name in WireCounter.KINDS:
-            self.saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, self.saved[name]))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
 
 
 def live_bytes() -> int:
