@@ -17,7 +17,7 @@ def _args(device, backend, scale_tensor, found_inf):
     src = [torch.randn(37, device=device).bfloat16(), torch.randn(4, 5, device=device)]
     st = torch.tensor([0.5], device=device) if scale_tensor else None
     fi = torch.zeros(1, device=device) if found_inf else None
-    return (dst, src, 0.25, st, False, fi, backend)
+    return (dst, src, 0.25, st, False, fi, backend, None, None)
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
