@@ -32,6 +32,16 @@ def test_schema_declares_mutation():
     assert "Tensor(a0!)[] dst" in schema and "Tensor(a5!)? found_inf" in schema, schema
 
 
+def test_no_argument_has_a_default():
+    """torch 2.11's ADInplaceOrView kernel of a custom op finds the mutated arguments by schema
+    index in the args the dispatcher passes, which leave out trailing arguments at their
+    default: a defaulted ``norm_sq=None`` made every dispatcher call raise IndexError there."""
+    defaulted = [a.name for a in OP._schema.arguments if a.has_default_value()]
+    assert not defaulted, f"{defaulted} have defaults: {OP._schema}"
+    with pytest.raises(RuntimeError, match="norm_sq"):  # all nine, on every torch
+        OP(*_args("cpu", "cpu", False, False)[:7])
+
+
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
 def test_torch_compile_fullgraph(compile_backend):
     """Compiled with fullgraph=True (no graph break), and the mutation is visible after."""
