@@ -107,7 +107,7 @@ def record_scheduler_step(optimizer, *, at_least: bool = False) -> None:
         patched = getattr(patched, "__wrapped__", None)
 
 
-# -- versions ---------------------------------------------------------------------------------------
+# -- versions --------------------------------------------------------------------------------------
 # The declared floor (pyproject.toml) is the oldest torch the whole suite passed on; below it, each
 # feature below is still checked where it is used, so a missing one is refused by name.
 TORCH_FLOOR = "2.11"

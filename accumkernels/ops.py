@@ -46,6 +46,8 @@ def available_backends(device: torch.device | str) -> list[str]:
     return backends.available_backends(device)
 
 
+# No argument has a default: torch 2.11's ADInplaceOrView kernel of a custom op finds the mutated
+# arguments by schema index in the args the dispatcher passes, which omit trailing defaults.
 @torch.library.custom_op("accumkernels::accumulate_",
                          mutates_args=("dst", "found_inf", "norm_sq"))
 def _accumulate_op(
