@@ -76,6 +76,8 @@ TORCH ?=
 cvenv = $(COMPAT_DIR)/torch-$(1)
 TEST_EXTRA = $(shell $(PYTHON) -c "import shlex, tomllib; print(*map(shlex.quote, tomllib.load(\
 	open('pyproject.toml', 'rb'))['project']['optional-dependencies']['test']))")
+# tests/op/test_native_build.py configures and builds the extension: the build's tools too.
+BUILD_DEPS = setuptools wheel pybind11 cmake ninja
 .SECONDARY:
 
 # The venv for torch==$*, and its [test] extra (quick when nothing is missing).
@@ -84,7 +86,7 @@ $(COMPAT_DIR)/torch-%/.venv-made:
 	touch $@
 
 compat-venv-%: $(COMPAT_DIR)/torch-%/.venv-made
-	$(call cvenv,$*)/bin/python -m pip install -q "torch==$*" $(TEST_EXTRA)
+	$(call cvenv,$*)/bin/python -m pip install -q "torch==$*" $(TEST_EXTRA) $(BUILD_DEPS)
 	PYTHONPATH=$(CURDIR) $(call cvenv,$*)/bin/python -c "import torch, triton, accumkernels._C; \
 		print('compat venv: torch', torch.__version__, 'triton', triton.__version__)"
 

@@ -113,6 +113,8 @@ class WireCounter:
 
     def __enter__(self) -> WireCounter:
         for name in self.KINDS:
+            if not hasattr(dist, name):  # reduce_scatter_single: newer than torch 2.11
+                continue
             self.saved[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, self.saved[name]))
         return self
