@@ -1,5 +1,7 @@
-# make test  : create .venv, install torch (if none is importable), build, run the whole suite
+# make test  : create .venv, install torch (if none is importable), build, run the whole suite,
+#              then the short compatibility pass on each of COMPAT_TORCH (see compat below)
 # make bench : same setup, then the benchmarks (GPU if there is one, else CPU): kernels, step, train
+# make compat TORCH=2.11.0 : the whole suite on another torch, in a venv of its own
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 SOURCES := setup.py CMakeLists.txt pyproject.toml $(wildcard csrc/*)
 
-.PHONY: test bench install clean
+.PHONY: test suite bench install clean compat compat-short
 
 # --system-site-packages: reuse a torch/triton already installed system-wide (GPU machines).
 $(PY):
@@ -35,7 +37,9 @@ $(VENV)/.test-deps: $(VENV)/.torch pyproject.toml
 
 install: $(VENV)/.installed
 
-test: $(VENV)/.installed $(VENV)/.test-deps
+test: suite compat-short
+
+suite: $(VENV)/.installed $(VENV)/.test-deps
 	$(PY) -m pytest
 
 # The [bench] extra of pyproject.toml: matplotlib (the plot), transformers (the training table's
@@ -53,3 +57,64 @@ bench: $(VENV)/.installed $(VENV)/.bench-deps
 
 clean:
 	rm -rf build *.egg-info accumkernels/_C*.so .pytest_cache
+
+# -- other torch versions --------------------------------------------------------------------------
+# One venv per torch release under COMPAT_DIR, outside the checkout so that a fresh clone (CI)
+# reuses it: built once (torch from the package index, the [test] extra), then only checked. The
+# package itself is not installed there: the tests import this checkout (PYTHONPATH), whose _C
+# extension the main venv built (it links no torch library: pybind11 only).
+# COMPAT_TORCH: the oldest supported release and the newest installable here; a release the main
+# venv already runs is left out (the whole suite ran on it). COMPAT_TORCH= turns the pass off.
+COMPAT_TORCH ?= 2.11.0 2.14.1
+COMPAT_DIR ?= $(HOME)/.cache/accumkernels/venvs
+# The short pass: what broke between releases before (the op's registration and dispatcher path,
+# compiled and fake-tensor calls, every optimizer's step against native), the wrapper's core
+# equivalence and one distributed case (DDP on two gloo ranks).
+COMPAT_TESTS ?= tests/test_torch_versions.py tests/op/test_op_registration.py \
+	tests/op/test_op_attacks.py::test_compiled_refuses_aliased_dst_like_eager \
+	tests/op/test_op_attacks.py::test_fake_tensor_mode_is_a_shape_only_noop \
+	tests/op/test_op_attacks.py::test_dispatcher_path_refuses_like_eager \
+	tests/optim/test_native_equivalence.py \
+	"tests/optim/test_conformance.py::test_steps_match_native" \
+	tests/distributed/test_ddp.py::test_ddp_equals_native_ddp
+# Of the steps against native: every optimizer's default and maximize configurations.
+COMPAT_K ?= not test_steps_match_native or default or maximize
+TORCH ?=
+cvenv = $(COMPAT_DIR)/torch-$(1)
+TEST_EXTRA = $(shell $(PYTHON) -c "import shlex, tomllib; print(*map(shlex.quote, tomllib.load(\
+	open('pyproject.toml', 'rb'))['project']['optional-dependencies']['test']))")
+# tests/op/test_native_build.py configures and builds the extension: the build's tools too.
+BUILD_DEPS = setuptools wheel pybind11 cmake ninja
+.SECONDARY:
+
+# The venv for torch==$*, and its [test] extra (quick when nothing is missing).
+$(COMPAT_DIR)/torch-%/.venv-made:
+	$(PYTHON) -m venv $(call cvenv,$*)
+	touch $@
+
+compat-venv-%: $(COMPAT_DIR)/torch-%/.venv-made
+	$(call cvenv,$*)/bin/python -m pip install -q "torch==$*" $(TEST_EXTRA) $(BUILD_DEPS)
+	PYTHONPATH=$(CURDIR) $(call cvenv,$*)/bin/python -c "import torch, triton, accumkernels._C; \
+		print('compat venv: torch', torch.__version__, 'triton', triton.__version__)"
+
+compat-run-%: $(VENV)/.installed
+	cd $(CURDIR) && PYTHONPATH=$(CURDIR) $(call cvenv,$*)/bin/python -m pytest -q \
+		-p no:cacheprovider $(COMPAT_TESTS) -k "$(COMPAT_K)"
+
+compat-short-%: compat-venv-%
+	$(MAKE) --no-print-directory compat-run-$*
+
+# The versions of COMPAT_TORCH that the main venv does not run. Where one cannot be installed
+# (a machine without the package index) it is skipped, loudly; never in CI (CI=true).
+compat-short: $(VENV)/.installed
+	@main=$$($(PY) -c "import torch; print(torch.__version__.split('+')[0])"); \
+	for v in $(COMPAT_TORCH); do \
+		if [ "$$v" = "$$main" ]; then echo "compat: torch $$v is the main venv's: skipped"; \
+		elif ! $(MAKE) --no-print-directory compat-venv-$$v; then \
+			[ -z "$$CI" ] || exit 1; echo "compat: torch $$v NOT INSTALLABLE here: SKIPPED"; \
+		else $(MAKE) --no-print-directory compat-run-$$v || exit 1; fi; done
+
+compat: $(VENV)/.installed
+	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.11.0"; exit 2; }
+	$(MAKE) --no-print-directory compat-venv-$(TORCH)
+	PYTHONPATH=$(CURDIR) $(call cvenv,$(TORCH))/bin/python -m pytest -p no:cacheprovider $(ARGS)

@@ -1,5 +1,9 @@
 """accumkernels: fused kernels for exact fp32 gradient accumulation."""
 
+from accumkernels import _torch_private
+
+_torch_private.check_core()  # a torch without what the ops' registration needs: named here
+
 from accumkernels.batch_size import MicroBatchSearch, find_micro_batch_size
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model, validate_batch_sizes

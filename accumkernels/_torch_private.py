@@ -2,7 +2,10 @@
 
 Each entry names what it reads and why no public API serves. tests/optim/test_torch_private.py calls
 every one on the installed torch and fails loudly, naming the entry, when torch changes it.
-Checked on torch 2.11 (the GPU machines) and 2.13 (CPU CI).
+Checked on torch 2.11 (the GPU machines), 2.13 (CPU CI) and 2.14.1.
+
+The last section is the version check: the public features the package needs, the torch release
+that brought each, and ``require``, which refuses a missing one with that release's number.
 
 The kernel layer's dispatch-key reads (``torch._C._dispatch_keys``, ``_increment_version`` in
 accumkernels.ops, accumkernels.master_step and accumkernels.backends) belong to the ops' custom-op
@@ -12,12 +15,13 @@ optimizer ops (``torch._fused_adamw_`` and kin, tested against ``torch.optim``'s
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 
 import torch
 
-CHECKED_ON = ("2.11", "2.13")
+CHECKED_ON = ("2.11", "2.13", "2.14")
 
 # -- autograd engine --------------------------------------------------------------------------------
 # The end of a backward: a final callback queued on the running engine (no public hook fires
@@ -63,6 +67,7 @@ def fsdp2_offload_unsafe() -> bool:
 
 def fsdp2_reduce_scatter_base() -> type:
     """FSDP2's ``ReduceScatter`` policy base class (``set_custom_reduce_scatter``'s argument)."""
+    require("FSDPModule.set_custom_reduce_scatter", "accumkernels.optim.fsdp2_wire", ImportError)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     return ReduceScatter
 
@@ -100,3 +105,57 @@ def record_scheduler_step(optimizer, *, at_least: bool = False) -> None:
             count = getattr(optimizer, "_step_count", 0)
             optimizer._step_count = max(count, 1) if at_least else count + 1
         patched = getattr(patched, "__wrapped__", None)
+
+
+# -- versions --------------------------------------------------------------------------------------
+# The declared floor (pyproject.toml) is the oldest torch the whole suite passed on; below it, each
+# feature below is still checked where it is used, so a missing one is refused by name.
+TORCH_FLOOR = "2.11"
+
+
+def _has(path: str) -> bool:
+    """Whether the dotted path (``torch.`` first) names something, importing submodules."""
+    parts = path.split(".")
+    obj = torch
+    for i in range(1, len(parts)):
+        try:
+            obj = getattr(obj, parts[i])
+        except AttributeError:
+            try:
+                obj = importlib.import_module(".".join(parts[:i + 1]))
+            except ImportError:
+                return False
+    return True
+
+
+# feature -> (the torch release that brought it, what to look up on the installed torch). The
+# package also uses, where present, Tensor.grad_dtype (2.10; without it bf16 params show no fp32
+# .grad view mid-window) and, from the user's code, fully_shard (public in 2.6) and
+# torch.distributed.pipelining (2.4).
+FEATURES = {
+    "torch.library.custom_op": ("2.4", "torch.library.custom_op"),
+    "torch.library.register_fake": ("2.4", "torch.library.register_fake"),
+    "torch.compiler.is_compiling": ("2.3", "torch.compiler.is_compiling"),
+    "FSDPModule.set_custom_reduce_scatter":
+        ("2.9", "torch.distributed.fsdp.FSDPModule.set_custom_reduce_scatter"),
+}
+# What ``import accumkernels`` cannot do without (the ops register at import).
+CORE = ("torch.library.custom_op", "torch.library.register_fake", "torch.compiler.is_compiling")
+
+
+def has_feature(feature: str) -> bool:
+    return _has(FEATURES[feature][1])
+
+
+def require(feature: str, user: str, error: type[Exception] = RuntimeError) -> None:
+    """Raise ``error`` naming the torch release ``user`` needs when ``feature`` is missing."""
+    if not has_feature(feature):
+        version = FEATURES[feature][0]
+        raise error(f"{user} needs {feature}, new in torch {version}; this is torch "
+                    f"{torch.__version__} (accumkernels is tested on torch >= {TORCH_FLOOR})")
+
+
+def check_core() -> None:
+    """At ``import accumkernels``: refuse a torch without what the package's import needs."""
+    for feature in CORE:
+        require(feature, "accumkernels", ImportError)

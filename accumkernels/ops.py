@@ -48,6 +48,8 @@ def available_backends(device: torch.device | str) -> list[str]:
     return backends.available_backends(device)
 
 
+# No argument has a default: torch 2.11's ADInplaceOrView kernel of a custom op finds the mutated
+# arguments by schema index in the args the dispatcher passes, which omit trailing defaults.
 @torch.library.custom_op("accumkernels::accumulate_",
                          mutates_args=("dst", "found_inf", "norm_sq"))
 def _accumulate_op(
@@ -58,8 +60,8 @@ def _accumulate_op(
     overwrite: bool,
     found_inf: torch.Tensor | None,
     backend: str,
-    norm_sq: torch.Tensor | None = None,
-    norm_slots: list[int] | None = None,
+    norm_sq: torch.Tensor | None,
+    norm_slots: list[int] | None,
 ) -> None:
     if dst:
         _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, dst[0].device,
@@ -67,8 +69,8 @@ def _accumulate_op(
 
 
 @_accumulate_op.register_fake
-def _accumulate_fake(dst, src, scale, scale_tensor, overwrite, found_inf, backend, norm_sq=None,
-                     norm_slots=None) -> None:
+def _accumulate_fake(dst, src, scale, scale_tensor, overwrite, found_inf, backend, norm_sq,
+                     norm_slots) -> None:
     validate.check_shapes(dst, src, scale_tensor, found_inf, norm_sq,
                           _norm_len(dst, norm_sq, norm_slots))  # no data: nothing else to check
 

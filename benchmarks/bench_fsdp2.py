@@ -97,6 +97,8 @@ class _PatchedCollectives:
 
     def __enter__(self):
         for name in self.KINDS:
+            if not hasattr(dist, name):  # reduce_scatter_single: newer than torch 2.11
+                continue
             self.saved[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, self.saved[name]))
         return self

@@ -100,7 +100,8 @@ def train(rank: int, world_size: int, device: torch.device, args) -> None:
         x = torch.randn(N_MB * MICRO, 32, generator=data)
         y = x[:, :1].sin()
         losses: list[torch.Tensor] = []
-        schedule.step(x.to(device, dtype), target=y.to(device), losses=losses)
+        inputs = (x.to(device, dtype),) if any(s.is_first for s in stages) else ()
+        schedule.step(*inputs, target=y.to(device), losses=losses)  # inputs: the first stage's
         for opt in opts:
             opt.step()  # the window is complete after the schedule step: a real step
             opt.zero_grad()

@@ -49,6 +49,12 @@ SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "Custom
 
 
 # -- the model, its stages and the data -----------------------------------------------------------
+def first_inputs(stages, x: torch.Tensor) -> tuple:
+    """The schedule's inputs on this rank: ``x`` where it holds the first stage, else none
+    (torch 2.11's single-stage schedules refuse inputs on another stage)."""
+    return (x,) if any(s.is_first for s in stages) else ()
+
+
 def layers(dtype: torch.dtype = torch.float32, widths=WIDTHS) -> list[torch.nn.Linear]:
     torch.manual_seed(0)
     return [torch.nn.Linear(a, b).to(dtype) for a, b in zip(widths, widths[1:])]
@@ -245,7 +251,7 @@ def run_pipeline(schedule: str, *, pp_group=None, pp_rank: int, pp_size: int,
             for opt in opts:
                 for w in micro_weights(target):
                     opt.add_weight(w)
-        sched.step(x, target=target)
+        sched.step(*first_inputs(stages, x), target=target)
         if wrapper is None:
             native_boundary(mods, opts, step, target, native_skip_nan_step=native_skip_nan_step,
                             native_divide_by_weight=native_divide_by_weight and weighted,
@@ -360,7 +366,7 @@ def guard_and_clip(rank: int, world: int) -> dict:
     accumulate_weight_passes(stage)
     sched = build_schedule("GPipe", [stage], make_loss(), True)
     x, target = batch(0)
-    sched.step(x, target=target)
+    sched.step(*first_inputs([stage], x), target=target)
     before = snapshot(mod)
     try:
         opt.step()

@@ -214,7 +214,8 @@ def test_compiled_and_opcheck():
     op = torch.ops.accumkernels.accumulate_.default
     assert "Tensor(a7!)? norm_sq" in str(op._schema)
     torch.library.opcheck(op, ([rand_dst(37, "cpu")], [rand_src(37, torch.bfloat16, "cpu")], 0.25,
-                               None, False, None, "cpu"), {"norm_sq": torch.zeros(1)})
+                               None, False, None, "cpu"),
+                           {"norm_sq": torch.zeros(1), "norm_slots": None})
 
 
 def _call_parts(device):

@@ -177,7 +177,7 @@ def test_fake_tensor_mode_is_a_shape_only_noop(reader):
         dst = [torch.empty(6), torch.empty(2, 3)]
         src = [torch.empty(6, dtype=torch.bfloat16), torch.empty(2, 3, dtype=torch.float16)]
         accumkernels.accumulate_(dst, src, 0.5, found_inf=torch.zeros(1))
-        torch.ops.accumkernels.accumulate_(dst, src, 0.5, None, False, None, "cpu")
+        torch.ops.accumkernels.accumulate_(dst, src, 0.5, None, False, None, "cpu", None, None)
         with pytest.raises(ValueError, match=r"src\[1\] has shape"):
             accumkernels.accumulate_(dst, [src[0], torch.empty(3, 2)])
         with pytest.raises(TypeError, match=r"dst\[0\] has dtype"):
@@ -250,11 +250,11 @@ def test_dispatcher_path_refuses_like_eager(reader):
     x = rand(8)
     frozen = Frozen(x)
     with pytest.raises(ValueError, match=r"dst\[1\] overlaps dst\[0\]"):
-        op([x, x], [rand(8), rand(8)], 1.0, None, False, None, "cpu")
+        op([x, x], [rand(8), rand(8)], 1.0, None, False, None, "cpu", None, None)
     with torch.inference_mode():
         y = rand(8)
     with pytest.raises(RuntimeError, match="inference tensor"):
-        op([y], [rand(8)], 1.0, None, False, None, "cpu")
+        op([y], [rand(8)], 1.0, None, False, None, "cpu", None, None)
     frozen.check()
 
     leaf = rand(4).requires_grad_()

@@ -17,7 +17,7 @@ def _args(device, backend, scale_tensor, found_inf):
     src = [torch.randn(37, device=device).bfloat16(), torch.randn(4, 5, device=device)]
     st = torch.tensor([0.5], device=device) if scale_tensor else None
     fi = torch.zeros(1, device=device) if found_inf else None
-    return (dst, src, 0.25, st, False, fi, backend)
+    return (dst, src, 0.25, st, False, fi, backend, None, None)
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
@@ -30,6 +30,16 @@ def test_opcheck(device, backend, scale_tensor, found_inf):
 def test_schema_declares_mutation():
     schema = str(OP._schema)
     assert "Tensor(a0!)[] dst" in schema and "Tensor(a5!)? found_inf" in schema, schema
+
+
+def test_no_argument_has_a_default():
+    """torch 2.11's ADInplaceOrView kernel of a custom op finds the mutated arguments by schema
+    index in the args the dispatcher passes, which leave out trailing arguments at their
+    default: a defaulted ``norm_sq=None`` made every dispatcher call raise IndexError there."""
+    defaulted = [a.name for a in OP._schema.arguments if a.has_default_value()]
+    assert not defaulted, f"{defaulted} have defaults: {OP._schema}"
+    with pytest.raises(RuntimeError, match="norm_sq"):  # all nine, on every torch
+        OP(*_args("cpu", "cpu", False, False)[:7])
 
 
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])

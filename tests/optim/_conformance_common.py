@@ -148,10 +148,14 @@ def ids(configs: list[Config]) -> list[str]:
 # -- models, loops ---------------------------------------------------------------------------------
 
 def make_model(config: Config, dtype: torch.dtype = torch.float32) -> nn.Sequential:
-    """A tiny MLP (2-D weights only for Muon, which steps matrices only)."""
+    """A tiny MLP (2-D weights only for Muon, which steps matrices only). Under ``maximize=True``
+    its loss is negated (``loss_sign``): the optimizer climbs -MSE, the same bounded problem,
+    where climbing the MSE itself sends LBFGS (lr=1, torch >= 2.14) to inf/NaN in one step."""
     bias = config.info.optim_cls is not torch.optim.Muon
-    return nn.Sequential(nn.Linear(D_IN, D_HID, bias=bias), nn.Tanh(),
-                         nn.Linear(D_HID, D_OUT, bias=bias)).to(dtype)
+    model = nn.Sequential(nn.Linear(D_IN, D_HID, bias=bias), nn.Tanh(),
+                          nn.Linear(D_HID, D_OUT, bias=bias)).to(dtype)
+    model.loss_sign = -1.0 if config.kwargs.get("maximize") else 1.0
+    return model
 
 
 def batches(n: int, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -161,7 +165,7 @@ def batches(n: int, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tens
 
 def loss_of(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
-    return (model(x) - y).square().mean()
+    return (model(x) - y).square().mean() * getattr(model, "loss_sign", 1.0)
 
 
 def wrap(inner: torch.optim.Optimizer, accumulation_steps: int | None = 1,
