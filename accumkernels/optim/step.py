@@ -70,6 +70,12 @@ class Step:
             pass  # DDP synced this backward: the window is averaged, agreed on and normalised
         elif window.complete and not self.sync.active and window.kept:
             window.seal(self.params, self.intake.views)
+        elif window.complete and self.sync.agrees_at_last_backward and window.kept \
+                and not window.weights_pending():
+            # process_group: reduce and agree now, so p.grad shows the final average over the
+            # ranks before step() (a user's clip measures native's); step() reuses the totals
+            totals = self.gather()
+            window.normalise(window.target_divisor(totals))
 
     @property
     def sync(self):

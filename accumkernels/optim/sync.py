@@ -66,6 +66,8 @@ class LocalSync:
     """One rank, or ranks that deliberately train apart (``independent_ranks=True``)."""
 
     active = False  # the window is not reduced across ranks
+    # the window is reduced and agreed on at its last backward (N known), not only at step()
+    agrees_at_last_backward = False
     ddp_group = None
     timeout_s = None
     stage_norm = None  # StageNorm: the norm is the whole pipeline's (pipelining.clip_across_stages)
@@ -162,6 +164,7 @@ class GroupSync(LocalSync):
     """``process_group=``: the wrapper all-reduces the window once per step."""
 
     active = True
+    agrees_at_last_backward = True
 
     def __init__(self, group, window, params: list[torch.Tensor], weighted: bool = False):
         super().__init__(independent_ranks=False)
