@@ -164,7 +164,12 @@ class GroupSync(LocalSync):
     """``process_group=``: the wrapper all-reduces the window once per step."""
 
     active = True
-    agrees_at_last_backward = True
+
+    @property
+    def agrees_at_last_backward(self) -> bool:
+        """Not with ``clip_across_stages``: agreeing starts the pipeline's norm round, a
+        collective over the stages that must not run inside a schedule's backward."""
+        return self.stage_norm is None
 
     def __init__(self, group, window, params: list[torch.Tensor], weighted: bool = False):
         super().__init__(independent_ranks=False)
