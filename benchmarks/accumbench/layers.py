@@ -34,7 +34,7 @@ def call_layers(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale:
         "accumulate_": lambda: ops.accumulate_(dst, src, scale, overwrite=overwrite,
                                                backend=backend),
         "custom_op": lambda: torch.ops.accumkernels.accumulate_(dst, src, scale, None, overwrite,
-                                                                None, name),
+                                                                None, name, None, None),
         "backend": lambda: ops._run(dst, src, scale, None, overwrite, None, name, device),
     }
     if name in native.KERNELS:
