@@ -177,6 +177,14 @@ def _observe(rec: dict, model) -> dict:
     return rec
 
 
+def zbv_schedule() -> str:
+    """The pipe-zbv layouts' schedule: ZBVZeroBubble, or on a torch that cannot run a V schedule
+    on gloo even natively (_pipelining_workers.V_ON_GLOO: 2.11) InterleavedZeroBubble, the other
+    schedule whose stages' weight passes come apart from their input passes."""
+    from _pipelining_workers import V_ON_GLOO
+    return "ZBVZeroBubble" if V_ON_GLOO else "InterleavedZeroBubble"
+
+
 def train_pipe(case: dict, wrap: bool) -> list[dict]:
     """A pipeline case (2 ranks, _pipelining_workers.run_pipeline: AdamW, 4 micro-batches per
     schedule step, 3 steps); one record: every local stage's params and the clip norms. The
@@ -185,7 +193,7 @@ def train_pipe(case: dict, wrap: bool) -> list[dict]:
     from _pipelining_workers import N_MB, run_pipeline
 
     red = REDUCTIONS[case["reduction"]].name
-    schedule = "GPipe" if case["layout"] == "pipe-gpipe" else "ZBVZeroBubble"
+    schedule = "GPipe" if case["layout"] == "pipe-gpipe" else zbv_schedule()
     kw = {"pp_rank": dist.get_rank(), "pp_size": dist.get_world_size(),
           "fused": case["optimizer"].endswith("fused")}
     clip = case["clip"] == "max_grad_norm"

@@ -27,9 +27,17 @@ pytest.importorskip("torch.distributed.pipelining")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available")
 
-from _pipelining_workers import (CLIP, NAN_STEP, SCHEDULES, run_ranks)  # noqa: E402
+from _pipelining_workers import (CLIP, DDP_IN_STAGE, DDP_SKIP_REASON, NAN_STEP,  # noqa: E402
+                                  SCHEDULES, V_ON_GLOO, V_SCHEDULES, V_SKIP_REASON, run_ranks)
 
 REL = 1e-6
+
+
+def schedule_params(names) -> list:
+    """``names`` for parametrize: the V schedules skipped, with the reason, where this torch cannot
+    run them on gloo even natively (_pipelining_workers.V_ON_GLOO)."""
+    skip = pytest.mark.skipif(not V_ON_GLOO, reason=V_SKIP_REASON)
+    return [pytest.param(n, marks=skip) if n in V_SCHEDULES else n for n in names]
 
 
 def by_stage(results: list[dict], *path) -> dict:
@@ -90,7 +98,7 @@ FP32_CASES = {
 
 
 @pytest.mark.parametrize("case", list(FP32_CASES))
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", schedule_params(SCHEDULES))
 def test_fp32_bit_identical_to_native(schedules, schedule, case):
     ours = by_stage(schedules, schedule, case)
     ref = by_stage(schedules, schedule, FP32_CASES[case])
@@ -100,7 +108,7 @@ def test_fp32_bit_identical_to_native(schedules, schedule, case):
         assert entry["micro_steps"] == 0, f"{schedule} {case}: stage {s} has a window left"
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", schedule_params(SCHEDULES))
 def test_nonfinite_policies_on_every_stage(schedules, schedule):
     """A NaN in a middle micro-batch reaches every stage (forward, then backward): skip_step
     drops the window on every stage's wrapper, skip_microbatch just that micro-batch, raise
@@ -120,7 +128,7 @@ def test_nonfinite_policies_on_every_stage(schedules, schedule):
         assert step == NAN_STEP and message.startswith("non-finite gradient in "), (s, message)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", schedule_params(SCHEDULES))
 def test_bf16_closer_to_fp32_than_native(schedules, schedule):
     """bf16 params (master weights on), lr 1e-3: the wrapper's update (fp32 masters minus the
     bf16 start) is closer to the fp32 run's update than native bf16's is (there, AdamW's small
@@ -179,7 +187,8 @@ def test_clip_across_stages_refuses_an_fsdp2_wrapper(guard_and_clip):
         assert r["fsdp2_joins"] is not None and "not FSDP2" in r["fsdp2_joins"]
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"])
+@pytest.mark.parametrize("schedule", schedule_params(["GPipe", "Interleaved1F1B", "ZBVZeroBubble",
+                                                     "DualPipeV"]))
 def test_clip_across_stages_equals_torchtitans_clip(guard_and_clip, schedule):
     """``clip_across_stages(opts, group)`` with ``max_grad_norm``: the norm of every stage's
     window over the pipeline group (torchtitan: get_total_norm of the rank's grads, squared,
@@ -201,7 +210,7 @@ def test_clip_across_stages_equals_torchtitans_clip(guard_and_clip, schedule):
                for a, b in zip(apart[s]["params"], native[s]["params"]))
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "ZBVZeroBubble"])
+@pytest.mark.parametrize("schedule", schedule_params(["GPipe", "ZBVZeroBubble"]))
 def test_nonfinite_on_one_stage_skips_every_stage_with_clip_across_stages(guard_and_clip,
                                                                           schedule):
     """A NaN in the last stage's gradient only (a hook): with clip_across_stages every stage
@@ -234,7 +243,7 @@ def replica(results: list[dict], dp_rank: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("case", ["group_n", "group_none", "group_mean"])
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("schedule", schedule_params(["GPipe", "1F1B", "ZBVZeroBubble"]))
 def test_2d_process_group_is_the_stages_data_parallel_group(two_d, schedule, case):
     """``process_group=<this stage's data-parallel group>``: the window averaged over the
     stage's replicas equals native's manual all-reduce average of ``.grad`` before the step, to
@@ -248,7 +257,7 @@ def test_2d_process_group_is_the_stages_data_parallel_group(two_d, schedule, cas
                       by_stage(replica(two_d, 1), schedule, case), "replicas differ")
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "ZBVZeroBubble"])
+@pytest.mark.parametrize("schedule", schedule_params(["GPipe", "ZBVZeroBubble"]))
 def test_2d_scale_grads_after_the_overlapped_all_reduce(two_d, schedule):
     """512-wide layers, N given: the all-reduce of the window's buckets starts inside the last
     backward (overlap), and the schedule divides ``p.grad`` -- the same memory -- in place right
@@ -260,7 +269,7 @@ def test_2d_scale_grads_after_the_overlapped_all_reduce(two_d, schedule):
                           f"{schedule} wide dp{dp}")
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("schedule", schedule_params(["GPipe", "1F1B", "ZBVZeroBubble"]))
 def test_2d_clip_across_stages(two_d, schedule):
     """Windows reduced over the data-parallel group, then clipped by the pipeline's norm."""
     for dp in (0, 1):
@@ -269,6 +278,7 @@ def test_2d_clip_across_stages(two_d, schedule):
                           by_stage(runs, schedule, "native_clip"), f"{schedule} dp{dp}")
 
 
+@pytest.mark.skipif(not DDP_IN_STAGE, reason=DDP_SKIP_REASON)
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 def test_2d_ddp_inside_the_stage(two_d, schedule):
     """DDP around each stage's module (``model=ddp``; static_graph=True, which torch 2.13's DDP

@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("torch.distributed.pipelining")
 
 from _pipelining_workers import run_ranks  # noqa: E402
-from test_pipelining import assert_equal_runs, assert_trained, by_stage  # noqa: E402
+from test_pipelining import (assert_equal_runs, assert_trained, by_stage,  # noqa: E402
+                             schedule_params)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,8 @@ def forgotten(tmp_path_factory):
     return run_ranks(tmp_path_factory.mktemp("pp_forgotten"), "forgotten", timeout=180)
 
 
-@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+@pytest.mark.parametrize("schedule", schedule_params(["InterleavedZeroBubble", "ZBVZeroBubble",
+                                                     "DualPipeV"]))
 def test_forgotten_line_raises_on_every_rank_before_any_step(forgotten, schedule):
     for rank, out in enumerate(forgotten):
         entry = out[schedule]
