@@ -6,9 +6,14 @@ Rows, all on the same parameter list (a GPT-2-shaped one; each row owns its copy
 
 * ``adamw_fused`` / ``adamw_foreach``: ``torch.optim.AdamW(fused=True)`` / ``(foreach=True)``
   on fp32 params whose ``.grad`` a backward has just set (``adamw_fused`` is the 1.00x row);
+* ``adamw_fused_grad_scale``: the same with a ``grad_scale`` (and a clear ``found_inf``), as the
+  wrapper's fold hands it for clipping or ``mean``: AdamW divides the gradients in its own pass
+  and writes them back into ``.grad`` (4 B per element more), which is what native
+  ``clip_grad_norm_`` leaves in ``.grad`` too (not a floor: a reference);
 * ``read_pass``: ``torch.nn.utils.get_total_norm`` over a window-shaped fp32 list (views of one
-  flat buffer, as the wrapper's window): the read pass every wrapper step needs (finiteness and
-  the clip norm), timed in the same run;
+  flat buffer, as the wrapper's window), written before each timing as the wrapper rows'
+  micro-batches write their window: the read pass every wrapper step needs (finiteness and the
+  clip norm), timed in the same run;
 * ``adamw_fused+copy_back``: the fair comparison for bf16 models: fused AdamW on fp32 masters,
   then one ``torch._foreach_copy_`` of the masters into the bf16 params;
 * ``wrapper_<fp32|bf16>_<variant>``: ``AccumulatingOptimizer`` around the same fused AdamW on an
@@ -120,6 +125,7 @@ class RowSpec:
     opt: str = "adamw"  # the inner optimizer: AdamW or SGD with momentum, fused=True
     separate: bool = False  # wrapper rows: the fused master step off (re-sync, step, copy-back)
     inner: str = "adamw_fused"  # the row of the inner optimizer alone on fp32 params (1.00x)
+    grad_scale: bool = False  # inner rows: a grad_scale given, as the wrapper's fold gives it
 
     def floor_factor(self) -> float | None:
         """A wrapper row's floor is ``read_pass + factor x inner``: the fused master step's
@@ -143,6 +149,7 @@ def row_specs(variants: list[str]) -> list[RowSpec]:
     sgd16 = "sgd_fused+copy_back"
     sgd = {"opt": "sgd", "inner": "sgd_fused"}
     return ([RowSpec("adamw_fused", "inner", "fp32"),
+             RowSpec("adamw_fused_grad_scale", "inner", "fp32", grad_scale=True),
              RowSpec("read_pass", "read", "fp32", fair="read_pass"),
              RowSpec("adamw_foreach", "inner", "fp32", foreach=True)]
             + [RowSpec(f"wrapper_fp32_{v}", "wrapper", "fp32", v) for v in variants]
@@ -166,6 +173,8 @@ def model_passes(spec: RowSpec, numel: int, micro_batches: int, declare_n: bool,
         return {"read": 4 * numel}
     inner = SGD_BYTES if spec.opt == "sgd" else INNER_BYTES
     passes = {"inner": inner * numel}
+    if spec.grad_scale:
+        passes["grad_scale"] = 4 * numel  # it writes the divided gradient back
     if spec.kind == "inner+copy_back":
         passes["copy_back"] = (4 + b) * numel
     if spec.kind != "wrapper":
@@ -214,25 +223,28 @@ class Probe(torch.nn.Module):
 
 class ReadRow:
     """The read pass alone: ``get_total_norm`` over views of one flat fp32 buffer shaped as the
-    window (``step`` is timed; nothing to prepare)."""
+    window (``step`` is timed). ``prepare`` writes the buffer as the wrapper rows' micro-batches
+    write their window just before their step (the first copies its gradients in, the others
+    add theirs), so the pass reads memory in the state the step's read pass finds it in
+    (freshly written lines), as the inner rows' ``.grad`` a backward has just written."""
 
     model_dtype = "fp32"
     opt = None
-    micro = 0
 
-    def __init__(self, spec: RowSpec, init: list[torch.Tensor]):
+    def __init__(self, spec: RowSpec, init: list[torch.Tensor], micro_batches: int = 1):
         self.spec = spec
+        self.micro = micro_batches
         self.times: list[float] = []
         self.other_times: list[float] = []
         self.error: str | None = None
         flat = torch.empty(sum(t.numel() for t in init), device=init[0].device)
         self.views = [v.view_as(t) for v, t in
                       zip(flat.split([t.numel() for t in init]), init, strict=True)]
-        torch.manual_seed(1)
-        flat.normal_()
 
     def prepare(self, rsets, rep: int) -> None:
-        pass
+        for j in range(self.micro):
+            rs = rsets[(rep * self.micro + j) % len(rsets)]
+            (torch._foreach_add_ if j else torch._foreach_copy_)(self.views, rs)
 
     def step(self) -> None:
         if not bool(torch.isfinite(torch.nn.utils.get_total_norm(self.views, 2.0))):
@@ -262,6 +274,7 @@ class StepRow:
         try:
             self.model = Probe(init, DTYPES[self.model_dtype])
             params = list(self.model.parameters())
+            self.inner_device = params[0].device
             if master:
                 self.low = [p.detach().to(torch.bfloat16) for p in params]
             if spec.opt == "sgd":
@@ -292,6 +305,14 @@ class StepRow:
         self.steps += 1
 
     def step(self) -> None:
+        if self.spec.grad_scale:  # what the wrapper's fold hands a fused AdamW: 1 / 0.5
+            self.inner.grad_scale = torch.tensor(2.0, device=self.inner_device)
+            self.inner.found_inf = torch.zeros((), device=self.inner_device)
+            try:
+                self.opt.step()
+            finally:
+                del self.inner.grad_scale, self.inner.found_inf
+            return
         with separate_passes(self.spec.separate):
             self.opt.step()
         if self.low:
@@ -455,7 +476,7 @@ def build_rows(specs: list[RowSpec], shapes: list[Shape], args: argparse.Namespa
     for name, dtype in DTYPES.items():
         rsets[name] = [[torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
                        for _ in range(2)]
-    return [ReadRow(spec, init) if spec.kind == "read" else
+    return [ReadRow(spec, init, args.micro_batches) if spec.kind == "read" else
             StepRow(spec, init, args.micro_batches, args.declare_n) for spec in specs], rsets
 
 

@@ -20,7 +20,8 @@ from benchmarks.accumbench import suites  # noqa: E402
 from benchmarks.accumbench.tally import LiveTensorBytes, TrafficTally  # noqa: E402
 
 REPS = 2
-ROW_NAMES = ["adamw_fused", "read_pass", "adamw_foreach", "wrapper_fp32_sum", "wrapper_fp32_clip",
+ROW_NAMES = ["adamw_fused", "adamw_fused_grad_scale", "read_pass", "adamw_foreach",
+             "wrapper_fp32_sum", "wrapper_fp32_clip",
              "wrapper_fp32_mean", "wrapper_fp32_dynamic", "adamw_fused+copy_back",
              "wrapper_bf16_sum", "wrapper_bf16_clip", "wrapper_bf16_mean",
              "wrapper_bf16_dynamic", "wrapper_bf16_sum_separate", "wrapper_bf16_clip_separate",
@@ -89,6 +90,23 @@ def test_floor_is_measured_in_the_same_run(quick):
     assert rows["adamw_fused+copy_back"]["floor_ms"] is None
 
 
+def test_read_row_reads_a_window_written_as_the_micro_batches_write_it():
+    """The read pass row's buffer is rewritten before every timing: the first micro-batch's
+    gradients copied in, the others added (the wrapper's window when its step starts)."""
+    shapes = [(3, 4), (5,), (2, 2, 2)]
+    init = [torch.zeros(s) for s in shapes]
+    row = bench_step.ReadRow(bench_step.RowSpec("read_pass", "read", "fp32"), init, 2)
+    rsets = [[torch.randn(s) for s in shapes] for _ in range(2)]
+    for rep in (0, 1):
+        for v in row.views:
+            v.fill_(float("nan"))  # poisoned: prepare must write every element
+        row.prepare(rsets, rep)
+        for v, a, b in zip(row.views, rsets[0], rsets[1], strict=True):
+            assert torch.equal(v, a + b)
+        row.step()
+    assert row.micro == 2
+
+
 def test_thread_clock(tmp_path):
     """--clock thread: the thread's CPU time is the figure, the wall clock kept beside it."""
     out = tmp_path / "t.json"
@@ -112,6 +130,11 @@ def test_inner_rows_count_what_adamw_moves(quick):
     assert 16 * numel <= fused["read_bytes"] <= 16 * numel + 32 * n
     assert 12 * numel <= fused["written_bytes"] <= 12 * numel + 32 * n
     assert fused["scalar_reads"] == 0 and fused["syncs"] == 0
+    # given a grad_scale (the wrapper's fold), it also writes the divided gradients back
+    scaled = rows["adamw_fused_grad_scale"]["counted"]
+    assert 16 * numel <= scaled["read_bytes"] <= 16 * numel + 32 * n
+    assert 16 * numel <= scaled["written_bytes"] <= 16 * numel + 32 * n
+    assert rows["adamw_fused_grad_scale"]["model_bytes"] == 32 * numel
     # the bf16 model's fair baseline adds a copy-back: read 4 B, write 2 B per element
     extra = rows["adamw_fused+copy_back"]["counted_bytes_vs_fair"]
     assert rows["adamw_fused+copy_back"]["counted"]["bytes"] - fused["bytes"] == 6 * numel
@@ -231,7 +254,8 @@ def test_suites_dispatch_step(tmp_path):
                       "--out", str(out)])
     record = json.loads(out.read_text())
     assert rc == 0
-    assert [r["row"] for r in record["rows"]] == ["adamw_fused", "read_pass", "adamw_foreach",
+    assert [r["row"] for r in record["rows"]] == ["adamw_fused", "adamw_fused_grad_scale",
+                                                  "read_pass", "adamw_foreach",
                                                   "wrapper_fp32_sum", "adamw_fused+copy_back",
                                                   "wrapper_bf16_sum", "wrapper_bf16_sum_separate",
                                                   *SGD_TAIL]
