@@ -81,12 +81,12 @@ class Guard:
     # -- whole (at the wrapper's calls) -----------------------------------------------------
     def check_all(self) -> None:
         """Every param: dtype/device unchanged, views aliasing the buffer, outside clears."""
-        intake = self.intake
-        for i, p in enumerate(intake.params):
-            if p.dtype is not self.dtypes[i] or p.device != self.devices[i]:
+        for i, (p, dtype, device, stride) in enumerate(zip(self.intake.params, self.dtypes,
+                                                           self.devices, self.strides)):
+            if p.dtype is not dtype or p.device != device:
                 self._changed(i)
                 return
-            if p.stride() != self.strides[i]:
+            if p.stride() != stride:
                 self.relayout(i)
         self.check_views()
         if self.shown:
@@ -108,8 +108,8 @@ class Guard:
     def check_views(self) -> None:
         """Views whose ``.data`` was swapped take their values back into the buffer."""
         intake = self.intake
-        for i, view in enumerate(intake.views):
-            if view.data_ptr() == self.ptrs[i]:
+        for i, (view, ptr) in enumerate(zip(intake.views, self.ptrs)):
+            if view.data_ptr() == ptr:
                 continue
             flat = self.flats[self.devices[i]]
             if view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
@@ -131,7 +131,8 @@ class Guard:
         """Touched params whose ``.grad`` is None although the wrapper showed their views."""
         intake = self.intake
         window = intake.window
-        cleared = [p for p in intake.params if p.grad is None and window.holds(p)]
+        cleared = [p for p, held in zip(intake.params, window.held(intake.params))
+                   if held and p.grad is None]
         if not cleared:
             return
         if window.keeps_on_clear():

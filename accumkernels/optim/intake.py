@@ -344,10 +344,11 @@ class Intake:
     def expose(self) -> None:
         """Show the window: ``p.grad`` (and its master's) is p's fp32 view; None if untouched."""
         show_lowp = _HAS_GRAD_DTYPE
-        for p, view in zip(self.params, self.views):
-            if not self.window.holds(p):
+        held, masters = self.window.held(self.params), self.masters.masters  # (id(p) -> master)
+        for p, view, holds in zip(self.params, self.views, held):
+            if not holds:
                 continue
-            master = self.masters.get(p)
+            master = masters.get(id(p)) if masters else None
             if master is not None and master.grad is not view:
                 master.grad = view
             g = p.grad

@@ -320,14 +320,15 @@ class Step:
         cast = []
         masters = self.masters.masters  # id(param) -> master
         for p, view, held in zip(self.params, self.intake.views, self.window.held(self.params)):
-            master = masters.get(id(p))
+            master = masters.get(id(p)) if masters else None
             target = master if master is not None else p
             if not held:
-                target.grad = None  # the inner optimizer skips params without .grad
+                if target.grad is not None:
+                    target.grad = None  # the inner optimizer skips params without .grad
             elif master is None and p.dtype in LOW_PRECISION:
                 p.grad = view.to(p.dtype)  # master_weights=False: grads in the param dtype
                 cast.append(p)
-            else:
+            elif target.grad is not view:  # (reading is cheaper than the setter's checks)
                 target.grad = view
         return cast
 
