@@ -110,9 +110,12 @@ def _settle_worker(rank: int, world: int, store_dir: str, n: int, queue) -> None
         inp = torch.ones(DIM * DIM + DIM, dtype=torch.bfloat16)
         alive = 0
         with bench_fsdp2.SettledCollectives():
+            # the all-gather FSDP2 calls: all_gather_single where torch has it (2.13), else
+            # all_gather_into_tensor (2.11); looked up inside the block, as FSDP2 looks it up
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             for _ in range(n):
                 out = torch.empty(WORLD * inp.numel(), dtype=torch.bfloat16)
-                dist.all_gather_single(out, inp)
+                gather(out, inp)
                 ref = weakref.ref(out)
                 del out
                 alive += ref() is not None
