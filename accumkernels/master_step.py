@@ -220,9 +220,17 @@ def _adam_impl(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, 
                lr_tensor, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
                found_inf, write_grad, backend) -> None:
     op = "master_adam_step_"
-    rows, back = layouts.in_memory_order(
-        [masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []],
-        [True, True, write_grad and grad_scale is not None, True, True, True])
+    named = {"masters": masters, "weights": weights, "grads": grads, "exp_avgs": exp_avgs,
+             "exp_avg_sqs": exp_avg_sqs}
+    if amsgrad:
+        named["max_exp_avg_sqs"] = max_exp_avg_sqs
+    plain = checks.lists_plain(dict(named, state_steps=state_steps))
+    if plain:  # as the kernels take them
+        rows, back = [masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs], []
+    else:
+        rows, back = layouts.in_memory_order(
+            [masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []],
+            [True, True, write_grad and grad_scale is not None, True, True, True])
     if back:  # copies hide shared memory from the kernels: check the tensors given
         checks.check_no_overlap(op, dict(zip(_ADAM_LISTS, (
             masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps))))
@@ -230,18 +238,18 @@ def _adam_impl(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, 
     max_exp_avg_sqs = rows[5] if amsgrad else max_exp_avg_sqs
     _adam_lists(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr,
                 lr_tensor, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
-                found_inf, write_grad, backend)
+                found_inf, write_grad, backend, plain)
     layouts.write_back(back)
 
 
 def _adam_lists(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr,
                 lr_tensor, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
-                found_inf, write_grad, backend) -> None:
+                found_inf, write_grad, backend, plain: bool) -> None:
     """``_adam_impl`` on lists the kernels take as they are (see layouts.py)."""
     op = "master_adam_step_"
     lists = (masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
     state = (exp_avgs, exp_avg_sqs) + ((max_exp_avg_sqs,) if amsgrad else ())
-    plan = _plan(backend, masters, weights, grads, state)
+    plan = _plan(backend, masters, weights, grads, state, plain)
     if len(plan) > 1:  # several devices or backends: check the whole call before any part runs
         checks.check_no_overlap(op, dict(zip(_ADAM_LISTS, lists)))
     for device, name, part in plan:
@@ -270,16 +278,23 @@ def _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum
               backend) -> None:
     op = "master_sgd_step_"
     has_buf = momentum != 0
-    rows, back = layouts.in_memory_order(
-        [masters, weights, grads, momentum_buffers if has_buf else []],
-        [True, True, write_grad and grad_scale is not None, True])
+    named = {"masters": masters, "weights": weights, "grads": grads}
+    if has_buf:
+        named["momentum_buffers"] = momentum_buffers
+    plain = checks.lists_plain(named)
+    if plain:  # as the kernels take them
+        rows, back = [masters, weights, grads, momentum_buffers], []
+    else:
+        rows, back = layouts.in_memory_order(
+            [masters, weights, grads, momentum_buffers if has_buf else []],
+            [True, True, write_grad and grad_scale is not None, True])
     if back:  # copies hide shared memory from the kernels: check the tensors given
         checks.check_no_overlap(op, dict(zip(_SGD_LISTS, (masters, weights, grads,
                                                           momentum_buffers))))
     masters, weights, grads = rows[:3]
     momentum_buffers = rows[3] if has_buf else momentum_buffers
     lists = (masters, weights, grads, momentum_buffers)
-    plan = _plan(backend, masters, weights, grads, (momentum_buffers,) if has_buf else ())
+    plan = _plan(backend, masters, weights, grads, (momentum_buffers,) if has_buf else (), plain)
     if len(plan) > 1 or plan[0][1] != "cpu":
         checks.check_no_overlap(op, dict(zip(_SGD_LISTS, lists)))
     for device, name, part in plan:
@@ -298,11 +313,14 @@ def _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum
     layouts.write_back(back)
 
 
-def _plan(backend, masters, weights, grads, state) -> list[tuple[torch.device, str, list[int]]]:
+def _plan(backend, masters, weights, grads, state, plain: bool = False
+          ) -> list[tuple[torch.device, str, list[int]]]:
     """(device, backend, indices) parts of a call: per device, the plain tensors for the resolved
     backend and the others (a non-contiguous tensor, a weight with the neg bit) for the torch
-    reference."""
+    reference. ``plain``: every entry is known plain, on one device (checks.lists_plain)."""
     first = masters[0].device
+    if plain:
+        return [(first, _resolve(backend, first), list(range(len(masters))))]
     if all(m.device == first for m in masters):
         groups = {first: range(len(masters))}
     else:

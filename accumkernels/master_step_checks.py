@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from accumkernels._util import LOW_PRECISION
+from accumkernels.backends import native
 
 _F32 = torch.float32
 
@@ -67,11 +68,19 @@ def check_lists(op: str, named: dict) -> dict[str, list]:
     for name, tensors in lists.items():
         if len(tensors) != n:
             raise ValueError(f"{op}: {n} masters but {len(tensors)} {name}")
-    if not _lists_ok(lists):
+    if not lists_plain(lists) and not _lists_ok(lists):
         for i in range(n):  # the quick test failed: find the entry, say why
             for name, tensors in lists.items():
                 _check_entry(op, name, i, tensors[i], masters[i])
     return lists
+
+
+def lists_plain(lists: dict[str, list]) -> bool:
+    """Every entry plain for the native kernels (native.lists_plain: contiguous, no neg bit, on
+    the first master's device), which implies the rules of check_lists: one C++ pass."""
+    kinds = [native.LIST_STEP if name == "state_steps" else
+             native.LIST_LOW if name == "weights" else native.LIST_FP32 for name in lists]
+    return native.lists_plain(list(lists.values()), kinds)
 
 
 def _lists_ok(lists: dict[str, list]) -> bool:

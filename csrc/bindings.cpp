@@ -221,6 +221,17 @@ PYBIND11_MODULE(_C, m) {
       "where every sample holds its raw key set (0: none found).");
   m.def("torch_api_ready", &ak::torch_api_ready, "Whether the tensor reader is on.");
   m.def(
+      "lists_plain",
+      [](py::handle lists, py::handle kinds) { return ak::lists_plain(lists.ptr(), kinds.ptr()); },
+      py::arg("lists"), py::arg("kinds"),
+      "Whether every entry of `lists` (lists of tensors, the first the masters) is a plain "
+      "tensor of its list's kind (LIST_FP32, LIST_LOW, LIST_STEP): contiguous, no neg bit, on "
+      "the first master's device, of the kind's dtype and of its master's sizes (one element "
+      "for LIST_STEP). False also when the tensor reader is off.");
+  m.attr("LIST_FP32") = static_cast<long>(ak::kListFp32);
+  m.attr("LIST_LOW") = static_cast<long>(ak::kListLow);
+  m.attr("LIST_STEP") = static_cast<long>(ak::kListStep);
+  m.def(
       "tensor_meta",
       [](py::handle t) -> py::object {
         ak::TensorMeta m{};

@@ -69,6 +69,14 @@ bool read_meta(PyObject* obj, TensorMeta& m);
 // compares with the address it captured, at every launch. False when it cannot be read.
 bool read_data_ptr(PyObject* obj, uintptr_t& data);
 
+// What a list of `lists_plain` holds (see list_meta.cpp).
+enum ListKind : long { kListFp32 = 0, kListLow = 1, kListStep = 2 };
+
+// Whether every entry of `lists` (a list of lists of tensors, lists[0] the masters) is a plain
+// tensor of its list's kind (`kinds`): the bulk test of the fused master step's arguments.
+// False when anything is not (or cannot be read): the caller then applies its own rules.
+bool lists_plain(PyObject* lists, PyObject* kinds);
+
 // Whether two tensors have the same sizes.
 inline bool same_sizes(const TensorMeta& a, const TensorMeta& b) {
   if (a.ndim != b.ndim) return false;

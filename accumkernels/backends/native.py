@@ -162,6 +162,20 @@ def _start_reader() -> tuple[bool, str]:
 
 READER, READER_NOTE = _start_reader()
 
+# what a list of lists_plain holds
+LIST_FP32, LIST_LOW, LIST_STEP = (0, 1, 2) if _C is None else (_C.LIST_FP32, _C.LIST_LOW,
+                                                                _C.LIST_STEP)
+
+
+def lists_plain(lists: list, kinds: list) -> bool:
+    """Whether every entry of ``lists`` (lists of tensors, ``lists[0]`` the masters of a fused
+    master step) is plain for its list's kind (``LIST_FP32``, ``LIST_LOW``: bf16/fp16,
+    ``LIST_STEP``: fp32 of one element): an exact torch.Tensor/nn.Parameter, contiguous, without
+    the neg bit, on ``lists[0][0]``'s device, of its master's sizes. One pass of the tensor
+    reader (csrc/list_meta.cpp); False when the reader is off, and for anything it cannot read
+    (the caller then applies its own rules, which name a broken one)."""
+    return READER and _C.lists_plain(lists, kinds)
+
 
 def _stream(device: torch.device) -> int:
     try:

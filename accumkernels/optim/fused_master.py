@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from accumkernels.backends import native
 from accumkernels.backends.validate import is_dense, same_layout
 from accumkernels.master_ops import resync_masters_
 from accumkernels.master_step import master_adam_step_, master_sgd_step_
@@ -108,9 +109,8 @@ def step(optimizer: torch.optim.Optimizer, masters, *, write_grad: bool, backend
 
 
 def _adam(optimizer, group: dict, ms: list, weights: list, grads: list, common: dict) -> None:
-    state = optimizer.state
-    for q in ms:
-        s = state[q]
+    entries = [optimizer.state[q] for q in ms]  # (a tensor's hash is a Python call: once each)
+    for q, s in zip(ms, entries):
         if len(s) == 0:  # torch's lazy state for a fused step (Adam._init_group)
             s["step"] = torch.zeros((), dtype=torch.float32, device=q.device)
             s["exp_avg"] = torch.zeros_like(q, memory_format=torch.preserve_format)
@@ -119,10 +119,10 @@ def _adam(optimizer, group: dict, ms: list, weights: list, grads: list, common: 
                 s["max_exp_avg_sq"] = torch.zeros_like(q, memory_format=torch.preserve_format)
     beta1, beta2 = (float(b) if torch.is_tensor(b) else b for b in group["betas"])
     master_adam_step_(
-        ms, weights, _as_fused(grads, ms), _as_fused([state[q]["exp_avg"] for q in ms], ms),
-        _as_fused([state[q]["exp_avg_sq"] for q in ms], ms),
-        _as_fused([state[q]["max_exp_avg_sq"] for q in ms], ms) if group["amsgrad"] else None,
-        [state[q]["step"] for q in ms], lr=group["lr"], beta1=beta1, beta2=beta2,
+        ms, weights, _as_fused(grads, ms), _as_fused([s["exp_avg"] for s in entries], ms),
+        _as_fused([s["exp_avg_sq"] for s in entries], ms),
+        _as_fused([s["max_exp_avg_sq"] for s in entries], ms) if group["amsgrad"] else None,
+        [s["step"] for s in entries], lr=group["lr"], beta1=beta1, beta2=beta2,
         weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"],
         maximize=group["maximize"],
         adamw=group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW),
@@ -145,7 +145,7 @@ def _sgd(optimizer, group: dict, ms: list, weights: list, grads: list, common: d
                      dampening=group["dampening"], weight_decay=group["weight_decay"],
                      nesterov=group["nesterov"], maximize=group["maximize"],
                      is_first_step=first, **common)
-    if buffers is not None:
+    if first:  # (later steps updated the state's own buffers in place)
         for q, b in zip(ms, buffers):
             state[q]["momentum_buffer"] = b
 
@@ -153,7 +153,10 @@ def _sgd(optimizer, group: dict, ms: list, weights: list, grads: list, common: d
 def _as_fused(tensors: list, ms: list) -> list:
     """Each tensor as torch's fused kernels pair it with its master: by memory position (they
     pass over raw memory). A dense tensor whose strides are not its master's (Adam state made
-    before ``p.data = p.data.t()``) is seen through its master's strides, as they see it."""
+    before ``p.data = p.data.t()``) is seen through its master's strides, as they see it. (All
+    contiguous, of their masters' sizes, the masters too: as they are, checked in one C++ pass.)"""
+    if native.lists_plain([ms, tensors], [native.LIST_FP32, native.LIST_FP32]):
+        return tensors
     out = tensors
     for i, (t, q) in enumerate(zip(tensors, ms)):
         if t.stride() != q.stride() and not same_layout(q, t) and is_dense(t) and is_dense(q):

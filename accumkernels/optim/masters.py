@@ -27,6 +27,9 @@ from accumkernels.buffer import grad_strides
 from accumkernels.master_ops import copy_back_, resync_masters_
 
 
+_NONE = object()  # (no state entry)
+
+
 class MasterWeights:
     """The fp32 copies (by ``id`` of the model param), the inner optimizer's state remap and
     the copy-back."""
@@ -72,8 +75,9 @@ class MasterWeights:
         for group in inner.param_groups:
             group["params"] = [masters.get(id(p), p) for p in group["params"]]
         for p in self.model_params:
-            if p in state:
-                state[masters[id(p)]] = state.pop(p)
+            entry = state.pop(p, _NONE)  # (a tensor's hash is a Python call: twice per param)
+            if entry is not _NONE:
+                state[masters[id(p)]] = entry
         try:
             yield
         finally:
@@ -82,9 +86,9 @@ class MasterWeights:
                 group["params"] = [model_of.get(id(q), q) for q in group["params"]]
             state = inner.state
             for p in self.model_params:
-                m = masters[id(p)]
-                if m in state:
-                    state[p] = state.pop(m)
+                entry = state.pop(masters[id(p)], _NONE)
+                if entry is not _NONE:
+                    state[p] = entry
 
     @torch.no_grad()
     def relayout(self, p: torch.Tensor, same_memory: bool) -> None:
@@ -107,13 +111,12 @@ class MasterWeights:
         """The inner state of params with masters in fp32 (the masters' dtype): a state written
         in the model's dtype (``inner.load_state_dict`` after wrapping casts to the param's
         dtype; a user's ``opt.state[p]["exp_avg"] = torch.zeros_like(p)``) is cast up."""
-        state = self.optimizer.state
-        for p in self.model_params:
-            entry = state.get(p)
-            if entry:
-                for k, v in list(entry.items()):
-                    if torch.is_tensor(v) and v.dtype in LOW_PRECISION and v.shape == p.shape:
-                        entry[k] = v.float()
+        state, low, tensor = self.optimizer.state, LOW_PRECISION, torch.Tensor
+        cast = [(entry, k, v) for p in self.model_params for entry in (state.get(p),) if entry
+                for k, v in entry.items()
+                if isinstance(v, tensor) and v.dtype in low and v.shape == p.shape]
+        for entry, k, v in cast:
+            entry[k] = v.float()
 
     def get(self, p: torch.Tensor) -> torch.nn.Parameter | None:
         return self.masters.get(id(p))

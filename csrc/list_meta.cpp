@@ -1,0 +1,51 @@
+// The bulk check of a multi-tensor elementwise op's lists (the fused master step): whether every
+// entry is a plain tensor the native kernel takes as it is. One pass of the tensor reader over
+// the lists, where the Python rules (accumkernels/master_step_checks.py, layouts.py) read five
+// or six attributes per tensor. It only ever accepts: any other answer sends the call down the
+// Python path, which applies every rule and names a broken one.
+#include "accumulate.h"
+#include "torch_api.h"
+
+namespace accumkernels {
+
+// `lists`: a list of lists of tensors, lists[0] the masters; `kinds[k]` what lists[k] holds:
+// kListFp32 (fp32, masters[i]'s sizes), kListLow (bf16/fp16, masters[i]'s sizes), kListStep
+// (fp32, one element). True iff the reader is on and, for every list and entry i: the lists
+// have one length, the entry is an exact torch.Tensor/nn.Parameter, strided, contiguous,
+// without the neg bit, on masters[0]'s device, of its kind's dtype and sizes.
+bool lists_plain(PyObject* lists, PyObject* kinds) {
+  if (!torch_api_ready() || !PyList_Check(lists) || !PyList_Check(kinds)) return false;
+  const Py_ssize_t n_lists = PyList_GET_SIZE(lists);
+  if (n_lists == 0 || PyList_GET_SIZE(kinds) != n_lists) return false;
+  PyObject* masters = PyList_GET_ITEM(lists, 0);
+  if (!PyList_Check(masters)) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(masters);
+  TensorMeta first{};
+  if (n > 0 && !read_meta(PyList_GET_ITEM(masters, 0), first)) return false;
+  for (Py_ssize_t k = 0; k < n_lists; ++k) {
+    PyObject* list = PyList_GET_ITEM(lists, k);
+    const long kind = PyLong_AsLong(PyList_GET_ITEM(kinds, k));
+    if (kind == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    if (!PyList_Check(list) || PyList_GET_SIZE(list) != n) return false;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      TensorMeta m{}, master{};
+      if (!read_meta(PyList_GET_ITEM(list, i), m) || !m.contiguous || m.neg ||
+          m.device_type != first.device_type || m.device_index != first.device_index)
+        return false;
+      if (kind == kListStep) {
+        if (m.dtype != kFloat32 || m.numel != 1) return false;
+        continue;
+      }
+      if (kind == kListLow ? (m.dtype != kBFloat16 && m.dtype != kFloat16) : m.dtype != kFloat32)
+        return false;
+      if (k > 0 && (!read_meta(PyList_GET_ITEM(masters, i), master) || !same_sizes(m, master)))
+        return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace accumkernels
