@@ -90,8 +90,8 @@ def master_adam_step_(
     for AdamW with bf16 weights, vs 28 B for torch's fused step on fp32 params alone).
     """
     op = "master_adam_step_"
-    lists = checks.adam_lists(op, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                        state_steps, amsgrad)
+    lists, plain = checks.adam_lists(op, masters, weights, grads, exp_avgs, exp_avg_sqs,
+                                     max_exp_avg_sqs, state_steps, amsgrad)
     lr_value, lr_tensor = checks.check_lr(op, lr)
     for name, value, low, high in (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0),
                                    ("weight_decay", weight_decay, 0.0, math.inf),
@@ -100,7 +100,7 @@ def master_adam_step_(
     for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("adamw", adamw),
                         ("write_grad", write_grad)):
         checks.check_bool(op, name, value)
-    _check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend)
+    _check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend, plain)
     if not lists[0]:
         return
     args = (*lists, float(lr_value), lr_tensor, float(beta1), float(beta2), float(weight_decay),
@@ -108,7 +108,7 @@ def master_adam_step_(
     if _tracing():
         torch.ops.accumkernels.master_adam_step_(*args)
     else:
-        _adam_impl(*args)
+        _adam_impl(*args, plain=plain)  # (checked just above: nothing ran in between)
 
 
 def master_sgd_step_(
@@ -140,7 +140,7 @@ def master_sgd_step_(
     """
     op = "master_sgd_step_"
     checks.check_real(op, "momentum", momentum, 0.0, math.inf)
-    lists = checks.sgd_lists(op, masters, weights, grads, momentum_buffers, momentum != 0)
+    lists, plain = checks.sgd_lists(op, masters, weights, grads, momentum_buffers, momentum != 0)
     lr_value, lr_tensor = checks.check_lr(op, lr)
     checks.check_real(op, "dampening", dampening, -math.inf, math.inf)
     checks.check_real(op, "weight_decay", weight_decay, 0.0, math.inf)
@@ -150,7 +150,7 @@ def master_sgd_step_(
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{op}: nesterov requires a momentum and zero dampening (got momentum="
                          f"{momentum}, dampening={dampening}), as torch.optim.SGD")
-    _check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend)
+    _check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend, plain)
     if not lists[0]:
         return
     args = (*lists, float(lr_value), lr_tensor, float(momentum), float(dampening),
@@ -159,7 +159,7 @@ def master_sgd_step_(
     if _tracing():
         torch.ops.accumkernels.master_sgd_step_(*args)
     else:
-        _sgd_impl(*args)
+        _sgd_impl(*args, plain=plain)
 
 
 # -- custom ops (torch.compile, FakeTensorMode, functorch) ----------------------------------------
@@ -218,13 +218,15 @@ _SGD_LISTS = ("masters", "weights", "grads", "momentum_buffers")
 @torch.no_grad()
 def _adam_impl(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr,
                lr_tensor, beta1, beta2, weight_decay, eps, amsgrad, maximize, adamw, grad_scale,
-               found_inf, write_grad, backend) -> None:
+               found_inf, write_grad, backend, plain: bool | None = None) -> None:
+    """The step on checked lists; ``plain``: checks.lists_plain's verdict on them, if known."""
     op = "master_adam_step_"
-    named = {"masters": masters, "weights": weights, "grads": grads, "exp_avgs": exp_avgs,
-             "exp_avg_sqs": exp_avg_sqs}
-    if amsgrad:
-        named["max_exp_avg_sqs"] = max_exp_avg_sqs
-    plain = checks.lists_plain(dict(named, state_steps=state_steps))
+    if plain is None:
+        named = {"masters": masters, "weights": weights, "grads": grads, "exp_avgs": exp_avgs,
+                 "exp_avg_sqs": exp_avg_sqs}
+        if amsgrad:
+            named["max_exp_avg_sqs"] = max_exp_avg_sqs
+        plain = checks.lists_plain(dict(named, state_steps=state_steps))
     if plain:  # as the kernels take them
         rows, back = [masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs], []
     else:
@@ -275,13 +277,15 @@ def _adam_lists(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
 @torch.no_grad()
 def _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum, dampening,
               weight_decay, nesterov, maximize, is_first_step, grad_scale, found_inf, write_grad,
-              backend) -> None:
+              backend, plain: bool | None = None) -> None:
+    """The step on checked lists; ``plain``: checks.lists_plain's verdict on them, if known."""
     op = "master_sgd_step_"
     has_buf = momentum != 0
-    named = {"masters": masters, "weights": weights, "grads": grads}
-    if has_buf:
-        named["momentum_buffers"] = momentum_buffers
-    plain = checks.lists_plain(named)
+    if plain is None:
+        named = {"masters": masters, "weights": weights, "grads": grads}
+        if has_buf:
+            named["momentum_buffers"] = momentum_buffers
+        plain = checks.lists_plain(named)
     if plain:  # as the kernels take them
         rows, back = [masters, weights, grads, momentum_buffers], []
     else:
@@ -415,7 +419,9 @@ def _bump(sub, extra, grads_written: bool) -> None:
     torch._C._increment_version(written)
 
 
-def _check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backend) -> None:
+def _check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backend,
+                one_device: bool = False) -> None:
+    """The scalars and the backend; ``one_device``: every master is on ``masters[0]``'s."""
     for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
         if t is None:
             continue
@@ -429,5 +435,5 @@ def _check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backen
     if backend not in _KNOWN:
         raise ValueError(f"{op}: unknown backend {backend!r}; choose from "
                          + ", ".join(repr(b) for b in ("auto", *BACKENDS)))
-    for device in {m.device for m in masters}:
+    for device in {masters[0].device} if one_device and masters else {m.device for m in masters}:
         _resolve(backend, device, op)  # raises for an unavailable backend

@@ -27,7 +27,9 @@ def as_list(op: str, name: str, value: object) -> list | tuple:
 
 
 def adam_lists(op, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                amsgrad) -> tuple[list, ...]:
+                amsgrad) -> tuple[tuple[list, ...], bool]:
+    """The checked lists (masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+    state_steps) and whether all are plain for the kernels (:func:`lists_plain`)."""
     if amsgrad and max_exp_avg_sqs is None:
         raise ValueError(f"{op}: amsgrad=True needs max_exp_avg_sqs (one fp32 tensor per master)")
     if not amsgrad and max_exp_avg_sqs is not None and len(as_list(op, "max_exp_avg_sqs",
@@ -38,13 +40,16 @@ def adam_lists(op, masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_s
     if amsgrad:
         named["max_exp_avg_sqs"] = max_exp_avg_sqs
     named["state_steps"] = state_steps
-    lists = check_lists(op, named)
+    lists, plain = check_lists(op, named)
     steps = lists.pop("state_steps")
     mx = lists.pop("max_exp_avg_sqs", [])
-    return (*lists.values(), mx, steps)
+    return (*lists.values(), mx, steps), plain
 
 
-def sgd_lists(op, masters, weights, grads, momentum_buffers, has_momentum) -> tuple[list, ...]:
+def sgd_lists(op, masters, weights, grads, momentum_buffers, has_momentum
+              ) -> tuple[tuple[list, ...], bool]:
+    """The checked lists (masters, weights, grads, momentum_buffers) and whether all are plain
+    for the kernels (:func:`lists_plain`)."""
     if has_momentum and momentum_buffers is None:
         raise ValueError(f"{op}: momentum != 0 needs momentum_buffers (one fp32 tensor per "
                          "master; with is_first_step their content is not read)")
@@ -54,25 +59,27 @@ def sgd_lists(op, masters, weights, grads, momentum_buffers, has_momentum) -> tu
     named = {"masters": masters, "weights": weights, "grads": grads}
     if has_momentum:
         named["momentum_buffers"] = momentum_buffers
-    lists = check_lists(op, named)
+    lists, plain = check_lists(op, named)
     return (*(lists[k] for k in ("masters", "weights", "grads")),
-            lists.get("momentum_buffers", []))
+            lists.get("momentum_buffers", [])), plain
 
 
-def check_lists(op: str, named: dict) -> dict[str, list]:
+def check_lists(op: str, named: dict) -> tuple[dict[str, list], bool]:
     """Every list the same length; entry i of each a dense tensor on masters[i]'s device, of
-    masters[i]'s shape (steps: one element), fp32 (weights: bf16/fp16)."""
+    masters[i]'s shape (steps: one element), fp32 (weights: bf16/fp16). Returns the lists and
+    whether every entry is also plain for the kernels (:func:`lists_plain`)."""
     lists = {name: as_list(op, name, value) for name, value in named.items()}
     masters = lists["masters"]
     n = len(masters)
     for name, tensors in lists.items():
         if len(tensors) != n:
             raise ValueError(f"{op}: {n} masters but {len(tensors)} {name}")
-    if not lists_plain(lists) and not _lists_ok(lists):
+    plain = lists_plain(lists)
+    if not plain and not _lists_ok(lists):
         for i in range(n):  # the quick test failed: find the entry, say why
             for name, tensors in lists.items():
                 _check_entry(op, name, i, tensors[i], masters[i])
-    return lists
+    return lists, plain
 
 
 def lists_plain(lists: dict[str, list]) -> bool:

@@ -74,7 +74,8 @@ def step(optimizer: torch.optim.Optimizer, masters, *, write_grad: bool, backend
     re-synced exactly; then torch's step for the params without masters (if any hold a
     gradient). ``write_grad``: the fused op stores the gradients divided by ``grad_scale``, as
     torch's fused step does (the caller needs that when the window must show them)."""
-    weight_of = {id(m): p for p, m in zip(masters.model_params, masters.master_list())}
+    master_list = masters.master_list()
+    weight_of = {id(m): p for p, m in zip(masters.model_params, master_list)}
     grad_scale = getattr(optimizer, "grad_scale", None)
     found_inf = getattr(optimizer, "found_inf", None)
     stepped: list[torch.Tensor] = []
@@ -91,12 +92,13 @@ def step(optimizer: torch.optim.Optimizer, masters, *, write_grad: bool, backend
         else:
             _adam(optimizer, group, ms, weights, grads, common)
         stepped.extend(ms)
-    done = {id(q) for q in stepped}
-    idle = [(m, weight_of[id(m)]) for m in masters.master_list() if id(m) not in done]
-    if idle:
+    if len(stepped) < len(master_list):  # the weights of masters without a gradient
+        done = {id(q) for q in stepped}
+        idle = [(m, weight_of[id(m)]) for m in master_list if id(m) not in done]
         resync_masters_([m for m, _ in idle], [w for _, w in idle])
-    if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]
-           if id(p) not in weight_of):
+    if sum(len(g["params"]) for g in optimizer.param_groups) > len(master_list) and any(
+            p.grad is not None for g in optimizer.param_groups for p in g["params"]
+            if id(p) not in weight_of):
         hidden = [(q, q.grad) for q in stepped]
         for q in stepped:
             q.grad = None  # torch's step skips params without a gradient
@@ -118,10 +120,12 @@ def _adam(optimizer, group: dict, ms: list, weights: list, grads: list, common: 
             if group["amsgrad"]:
                 s["max_exp_avg_sq"] = torch.zeros_like(q, memory_format=torch.preserve_format)
     beta1, beta2 = (float(b) if torch.is_tensor(b) else b for b in group["betas"])
+    fp32 = [grads, [s["exp_avg"] for s in entries], [s["exp_avg_sq"] for s in entries]]
+    if group["amsgrad"]:
+        fp32.append([s["max_exp_avg_sq"] for s in entries])
+    grads, avgs, sqs, *mx = _as_fused(fp32, ms)
     master_adam_step_(
-        ms, weights, _as_fused(grads, ms), _as_fused([s["exp_avg"] for s in entries], ms),
-        _as_fused([s["exp_avg_sq"] for s in entries], ms),
-        _as_fused([s["max_exp_avg_sq"] for s in entries], ms) if group["amsgrad"] else None,
+        ms, weights, grads, avgs, sqs, mx[0] if mx else None,
         [s["step"] for s in entries], lr=group["lr"], beta1=beta1, beta2=beta2,
         weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"],
         maximize=group["maximize"],
@@ -139,8 +143,9 @@ def _sgd(optimizer, group: dict, ms: list, weights: list, grads: list, common: d
         first = all(b is None for b in buffers)
         if first:  # (torch's fused SGD: the buffers are created and set to the gradient)
             buffers = [torch.empty_like(g) for g in grads]
-    master_sgd_step_(ms, weights, _as_fused(grads, ms),
-                     buffers if first or buffers is None else _as_fused(buffers, ms),
+    fp32 = [grads] if first or buffers is None else [grads, buffers]
+    grads, *given = _as_fused(fp32, ms)
+    master_sgd_step_(ms, weights, grads, given[0] if given else buffers,
                      lr=group["lr"], momentum=momentum,
                      dampening=group["dampening"], weight_decay=group["weight_decay"],
                      nesterov=group["nesterov"], maximize=group["maximize"],
@@ -150,13 +155,18 @@ def _sgd(optimizer, group: dict, ms: list, weights: list, grads: list, common: d
             state[q]["momentum_buffer"] = b
 
 
-def _as_fused(tensors: list, ms: list) -> list:
-    """Each tensor as torch's fused kernels pair it with its master: by memory position (they
-    pass over raw memory). A dense tensor whose strides are not its master's (Adam state made
-    before ``p.data = p.data.t()``) is seen through its master's strides, as they see it. (All
-    contiguous, of their masters' sizes, the masters too: as they are, checked in one C++ pass.)"""
-    if native.lists_plain([ms, tensors], [native.LIST_FP32, native.LIST_FP32]):
-        return tensors
+def _as_fused(lists: list[list], ms: list) -> list[list]:
+    """Each tensor of ``lists`` as torch's fused kernels pair it with its master: by memory
+    position (they pass over raw memory). A dense tensor whose strides are not its master's (Adam
+    state made before ``p.data = p.data.t()``) is seen through its master's strides, as they see
+    it. (All contiguous, of their masters' sizes, the masters too: as they are, told by one C++
+    pass.)"""
+    if native.lists_plain([ms, *lists], [native.LIST_FP32] * (len(lists) + 1)):
+        return lists
+    return [_as_fused_one(tensors, ms) for tensors in lists]
+
+
+def _as_fused_one(tensors: list, ms: list) -> list:
     out = tensors
     for i, (t, q) in enumerate(zip(tensors, ms)):
         if t.stride() != q.stride() and not same_layout(q, t) and is_dense(t) and is_dense(q):
