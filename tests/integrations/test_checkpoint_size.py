@@ -29,13 +29,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from _dcp_options import STATE_DICT_OPTIONS  # noqa: E402
 from _integrations_common import (  # noqa: E402
     fresh_accelerate_state,  # noqa: F401  (fixture)
     tiny_gpt2,
     token_batches,
 )
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
-    StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
@@ -48,15 +48,7 @@ pytestmark = [pytest.mark.usefixtures("fresh_accelerate_state"),
 N, MICRO, LR = 4, 2, 1e-2
 PER_LEAF = 1700  # one more leaf in a DCP checkpoint (its archive and metadata: measured 1.6 KB)
 PER_TENSOR = {"dcp": 1900, "torch": 300}  # one more tensor (measured: 1.84 KB and 265 B)
-DCP = {
-    "default": StateDictOptions(),
-    "full": StateDictOptions(full_state_dict=True),
-    "cpu": StateDictOptions(cpu_offload=True),
-    "full_cpu": StateDictOptions(full_state_dict=True, cpu_offload=True),
-    "flatten": StateDictOptions(flatten_optimizer_state_dict=True),
-    "flatten_cpu": StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True),
-    "flatten_full": StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=True),
-}
+DCP = STATE_DICT_OPTIONS
 SAMPLES = token_batches(4 * N * MICRO)
 
 

@@ -25,6 +25,7 @@ import copy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dcp_options import STATE_DICT_OPTIONS
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,15 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 from accumkernels import AccumulatingOptimizer
 
 N = 4  # micro-batches per window
-OPTIONS = {
-    "default": StateDictOptions(),
-    "full": StateDictOptions(full_state_dict=True),
-    "cpu": StateDictOptions(cpu_offload=True),
-    "full_cpu": StateDictOptions(full_state_dict=True, cpu_offload=True),
-    "flatten": StateDictOptions(flatten_optimizer_state_dict=True),
-    "flatten_cpu": StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True),
-}
-FLATTEN_FULL = StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=True)
+OPTIONS = {k: v for k, v in STATE_DICT_OPTIONS.items() if k != "flatten_full"}
+FLATTEN_FULL = STATE_DICT_OPTIONS["flatten_full"]
 INNERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
