@@ -46,6 +46,20 @@ OPTIMIZERS = {
 }
 OPTIMIZERS["rmsprop-foreach"] = Opt("RMSprop", "foreach", (("lr", 0.01), ("momentum", 0.5)))
 OPTIMIZERS["adagrad-forloop"] = Opt("Adagrad", "forloop", (("lr", 0.1),))
+# the rest of torch.optim (the surface gate, test_surface.py, enumerates the classes and flags:
+# each is a value here or an exclusion there) and the flags that change the math
+OPTIMIZERS.update({
+    "adagrad-fused": Opt("Adagrad", "fused", (("lr", 0.1),)),
+    "nadam-foreach": Opt("NAdam", "foreach", ADAM_KW),
+    "radam-forloop": Opt("RAdam", "forloop", ADAM_KW + (("decoupled_weight_decay", True),)),
+    "adamax-foreach": Opt("Adamax", "foreach", ADAM_KW),
+    "asgd-forloop": Opt("ASGD", "forloop", (("lr", 0.05),)),
+    "rprop-foreach": Opt("Rprop", "foreach", (("lr", 0.01),)),
+    "adadelta-foreach": Opt("Adadelta", "foreach", (("lr", 0.5),)),
+    "adafactor-forloop": Opt("Adafactor", "forloop", (("lr", 0.01),)),
+    "adam-amsgrad-maximize-fused": Opt("Adam", "fused", ADAM_KW + (("amsgrad", True),
+                                                                   ("maximize", True))),
+})
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,26 @@ NONFINITES = {
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+# What loops do to the model and the optimizer (_matrix_loop.LoopActions does them on both sides):
+# opt-zero_grad: opt.zero_grad() after every step() call (the plain loop); model-zero_grad /
+# grad-none: the same clear through model.zero_grad() / p.grad = None (the HF Trainer's way);
+# no-zero_grad: never cleared (the next window adds to the last, as .grad does natively);
+# reset_window: opt.reset_window() before the forward of window 1's micro-batch 1;
+# add_param_group-boundary / -mid: the last layer frozen and left out of the optimizer at
+# construction, unfrozen and added with add_param_group at the boundary after window 0 / after
+# window 1's micro-batch 1 backward; freeze-between / freeze-before: the first layer's params
+# requires_grad_(False) between the forward and the backward / before the forward of every
+# odd micro-batch of windows 1 and 2, restored after its backward (GAN code).
+LOOPS = ("opt-zero_grad", "model-zero_grad", "grad-none", "no-zero_grad", "reset_window",
+         "add_param_group-boundary", "add_param_group-mid", "freeze-between", "freeze-before")
+# Hooks registered before wrapping: tensor-hook: p.register_hook(g * 0.5) on the first param;
+# module-hook: a full backward pre-hook on the model halving grad_output; inner-pre-hook /
+# inner-post-hook: the inner optimizer's own step hooks shrinking its params by 1 %
+# (a projection; with masters they are the masters); wrapper-post-hook: the wrapper's
+# register_step_post_hook doing the same to the model's params.
+HOOKS = ("none", "tensor-hook", "module-hook", "inner-pre-hook", "inner-post-hook",
+         "wrapper-post-hook")
+
 
 @dataclass(frozen=True)
 class Axis:
@@ -125,6 +159,9 @@ SINGLE_AXES = (
                         "to-native", "native-into-inner"),
          "mid-window through torch.save/load(weights_only) / DCP flattened / load+deepcopy; "
          "to and from native optimizers"),
+    Axis("loop", LOOPS, "what the training loop does to the model and the optimizer "
+         "(_matrix_loop.LoopActions)"),
+    Axis("hooks", HOOKS, "hooks the user registers before wrapping"),
 )
 
 
@@ -175,6 +212,39 @@ SINGLE_CONSTRAINTS = [
     # a checkpoint loaded to or from a native optimizer holds no window: at a boundary
     _implies(_f("checkpoint", "in", ["native-step0", "to-native", "native-into-inner"]),
              _f("nonfinite", "eq", "none")),
+    # -- loop actions --
+    # the clear's own argument is hands=zero_grad-keep (set_to_none=False); p.grad = None and
+    # never clearing have none
+    _implies(_f("loop", "in", ["grad-none", "no-zero_grad"]),
+             _f("hands", "ne", "zero_grad-keep")),
+    # model.zero_grad(set_to_none=False) zeroes p.grad in place, and p.grad is the window (a
+    # zero-copy view): every micro-batch (N) it empties the filling window, as it empties a
+    # natively accumulated .grad; only opt.zero_grad() knows to keep a filling window
+    _implies({"operator": "and", "conditions": [_f("loop", "eq", "model-zero_grad"),
+                                                _f("hands", "eq", "zero_grad-keep")]},
+             _f("accum", "ne", "N")),
+    # a window carried into the next one (no clear) is a sum natively: the divided or skipped
+    # window of mean/weighted/a NaN has no native meaning to carry; the loop's own clip acts on
+    # .grad in place and is carried (clip=user), the wrapper's max_grad_norm is a step option
+    _implies(_f("loop", "eq", "no-zero_grad"), {"operator": "and", "conditions": [
+        _f("reduction", "eq", "sum"), _f("clip", "in", ["none", "user"]),
+        _f("nonfinite", "eq", "none"), _f("checkpoint", "eq", "none")]}),
+    # reset_window mid-window: with N the window's end moves (the loop would need to know);
+    # without N every step() ends the window
+    _implies(_f("loop", "eq", "reset_window"), _f("accum", "eq", "None")),
+    # a layer added by add_param_group: a checkpoint path rebuilds its optimizer from the model
+    # in one group, which a state dict of two groups does not load into
+    _implies(_f("loop", "in", ["add_param_group-boundary", "add_param_group-mid"]),
+             _f("checkpoint", "eq", "none")),
+    # -- hooks --
+    # a fresh model or optimizer built by a checkpoint path (native optimizers, deepcopy)
+    # carries no hook of the user's
+    _implies(_f("hooks", "ne", "none"), _f("checkpoint", "in", ["none", "save-load",
+                                                                "dcp-flat"])),
+    # the wrapper's own step hooks see the model's params: native hooks see the optimizer's,
+    # which are the masters for a low-precision model
+    _implies(_f("hooks", "eq", "wrapper-post-hook"), {"operator": "and", "conditions": [
+        _f("dtype", "eq", "fp32"), _f("params", "ne", "mixed")]}),
 ]
 
 # -- multi-process axes ----------------------------------------------------------------------------
@@ -183,6 +253,11 @@ SINGLE_CONSTRAINTS = [
 LAYOUTS = ("ddp", "process_group", "fsdp2", "hsdp", "fsdp2-tp", "pipe-gpipe", "pipe-zbv",
            "pipe-zbv-forgotten")
 PIPES = ["pipe-gpipe", "pipe-zbv", "pipe-zbv-forgotten"]
+# engine: the options jobs set on DDP / FSDP2 (both sides build the same engine);
+# ranks: what one rank does differently (_matrix_ranks.RANKS says what each means)
+ENGINES = ("default", "ddp-bucket-view", "ddp-static-graph", "ddp-small-buckets",
+           "ddp-find-unused", "fsdp2-no-reshard", "fsdp2-mp")
+RANK_ACTS = ("none", "zero-weight", "missing-weight", "extra-step", "no_sync-all")
 MULTI_AXES = (
     Axis("layout", LAYOUTS),
     Axis("reduction", tuple(REDUCTIONS)),
@@ -190,6 +265,10 @@ MULTI_AXES = (
     Axis("accum", ("N", "None")),
     Axis("optimizer", ("sgd-foreach", "adamw-fused", "adamw-forloop")),
     Axis("nonfinite", ("none", "nan-skip_step")),
+    Axis("engine", ENGINES, "DDP: gradient_as_bucket_view, static_graph, bucket_cap_mb=1e-4, "
+         "find_unused_parameters; FSDP2: reshard_after_forward=False, MixedPrecisionPolicy("
+         "param_dtype=bf16, reduce_dtype=fp32)"),
+    Axis("ranks", RANK_ACTS, "one rank's own action (_matrix_ranks.RANKS)"),
 )
 MULTI_CONSTRAINTS = [
     _implies(_f("clip", "eq", "user"), {"operator": "or", "conditions": [
@@ -203,6 +282,30 @@ MULTI_CONSTRAINTS = [
     _implies(_f("layout", "eq", "pipe-zbv-forgotten"), {"operator": "and", "conditions": [
         _f("reduction", "eq", "sum"), _f("clip", "eq", "none"), _f("accum", "eq", "N"),
         _f("optimizer", "eq", "adamw-fused"), _f("nonfinite", "eq", "none")]}),
+    # an engine option belongs to its engine
+    _implies(_f("engine", "in", [e for e in ENGINES if e.startswith("ddp")]),
+             _f("layout", "eq", "ddp")),
+    _implies(_f("engine", "in", [e for e in ENGINES if e.startswith("fsdp2")]),
+             _f("layout", "in", ["fsdp2", "hsdp", "fsdp2-tp"])),
+    # one rank's own action: the data-parallel layouts of 2 ranks
+    _implies(_f("ranks", "ne", "none"), _f("layout", "in", ["ddp", "process_group", "fsdp2"])),
+    # a fully masked micro-batch (weight 0, no tokens) exists only for a loss summed over its
+    # tokens; natively a mean over no tokens is NaN
+    _implies(_f("ranks", "eq", "zero-weight"), _f("reduction", "in", ["weighted-before",
+                                                                     "weighted-after"])),
+    # a rank that disagrees: an error on every rank or the ranks in lockstep is expected (no
+    # native run to compare): one check per layout, on the plainest options
+    _implies(_f("ranks", "in", ["missing-weight", "extra-step"]), {
+        "operator": "and", "conditions": [
+            _f("clip", "eq", "none"), _f("nonfinite", "eq", "none"),
+            _f("engine", "eq", "default"), _f("optimizer", "eq", "sgd-foreach")]}),
+    _implies(_f("ranks", "eq", "missing-weight"), _f("reduction", "in", ["weighted-before",
+                                                                        "weighted-after"])),
+    # step() on one rank only ends that rank's window only without N (with N it is a no-op)
+    _implies(_f("ranks", "eq", "extra-step"), _f("accum", "eq", "None")),
+    # no_sync() on every micro-batch is DDP's (N given: the window's last backward is known)
+    _implies(_f("ranks", "eq", "no_sync-all"), {"operator": "and", "conditions": [
+        _f("layout", "eq", "ddp"), _f("accum", "eq", "N")]}),
 ]
 
 

@@ -117,7 +117,8 @@ KNOWN_EXCLUSIONS = {
 # stay as regression cases once the bug is fixed.
 _BASE = dict(params="contiguous", dtype="fp32", optimizer="adamw-forloop", reduction="sum",
              accum="N", clip="none", nonfinite="none", grads="backward", in_backward=True,
-             masters="auto", hands="none", checkpoint="none")
+             masters="auto", hands="none", checkpoint="none", loop="opt-zero_grad",
+             hooks="none")
 SINGLE_WITNESSES = [dict(_BASE, **kw) for kw in (
     {"params": "channels_last", "optimizer": "sgd-forloop"},  # 37.1 channels_last fp32
     {"params": "transposed"},  # 37.1 a transposed param
@@ -134,7 +135,7 @@ SINGLE_WITNESSES = [dict(_BASE, **kw) for kw in (
     {"dtype": "bf16", "checkpoint": "native-into-inner"},  # 38.3c
 )]
 _MBASE = dict(layout="ddp", reduction="sum", clip="none", accum="N", optimizer="sgd-foreach",
-              nonfinite="none")
+              nonfinite="none", engine="default", ranks="none")
 MULTI_WITNESSES = [dict(_MBASE, **kw) for kw in (
     {"layout": "fsdp2-tp", "reduction": "weighted-before"},  # 37.5a
     {"layout": "fsdp2", "reduction": "weighted-before", "clip": "user"},  # 37.5b FSDP2

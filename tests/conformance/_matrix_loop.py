@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from _matrix_axes import ACCUMS, DTYPES, NONFINITES, OPTIMIZERS, REDUCTIONS, describe
 from _matrix_models import build, extra_used, loss_fn, micro_batch, same_start
+from _matrix_actions import (Frozen, clear, frozen_micro, initial_params, install_inner_hooks,
+                             install_model_hooks, last_layer, shrink)
 from _matrix_oracle import CLIP, CLIP_LOOSE, LOWP, Reference
 
 from accumkernels import AccumulatingOptimizer
@@ -41,6 +43,7 @@ class Ctx:
         self.clip, self.grads, self.hands = c["clip"], c["grads"], c["hands"]
         self.in_backward, self.masters, self.checkpoint = (c["in_backward"], c["masters"],
                                                           c["checkpoint"])
+        self.loop, self.hooks = c.get("loop", "opt-zero_grad"), c.get("hooks", "none")
         self.loss_scale = LOSS_SCALE if self.dtype == torch.float16 else None
         self.seed = zlib.crc32(self.cid.encode()) % 10_000
         self.exact = (self.dtype == torch.float32 and self.params != "mixed"
@@ -50,8 +53,11 @@ class Ctx:
         return [MICRO] * (WINDOWS - 1) + [MICRO - 1 if self.accum.short_last else MICRO]
 
     def wrap(self, model, inner=None) -> AccumulatingOptimizer:
-        inner = self.opt.build(model.parameters()) if inner is None else inner
-        return AccumulatingOptimizer(
+        install_model_hooks(self, model)
+        if inner is None:
+            inner = self.opt.build(initial_params(self, model))
+            install_inner_hooks(self, inner)
+        opt = AccumulatingOptimizer(
             inner, accumulation_steps=self.accum.n,
             reduction=self.reduction.name, master_weights=self.masters,
             accumulate_in_backward=self.in_backward,
@@ -59,6 +65,9 @@ class Ctx:
                            "max_grad_norm-loose": CLIP_LOOSE}.get(self.clip),
             nonfinite=self.nonfinite.policy, loss_scale=self.loss_scale, bucket_size_mb=0.0005,
             model=model)
+        if self.hooks == "wrapper-post-hook":
+            opt.register_step_post_hook(lambda o, args, kwargs: shrink(model.parameters()))
+        return opt
 
 
 def roundtrip(obj):
@@ -142,12 +151,21 @@ def reference_micro(ctx: Ctx, ref: Reference, w, i, x, y, weight) -> None:
     """The micro-batch natively. With accumulate_in_backward=False the wrapper's moves are
     where the gradients autograd summed in ``.grad`` (in the param dtype) join the fp32 sum:
     accumulate() after micro-batch 0, the N-th backward, a weight pass's start, every step()."""
+    if ctx.loop == "reset_window" and (w, i) == (1, 1):
+        ref.reset()
+    frozen = Frozen(ref.model) if frozen_micro(ctx, w, i) else None
+    if frozen is not None and ctx.loop == "freeze-before":
+        frozen.__enter__()
     loss = make_loss(ctx, ref.model, w, i, x, y, lambda t: t * ctx.loss_scale)
+    if frozen is not None and ctx.loop == "freeze-between":
+        frozen.__enter__()
     mode = ctx.grads if i % 2 else "backward"
     if not ctx.in_backward and mode.startswith("wp"):
         ref.flush()
-    ref.add(reference_grads(ref.model, loss, mode),
-            weight if ctx.reduction.name == "weighted" else None)
+    grads = reference_grads(ref.model, loss, mode)
+    if frozen is not None:
+        frozen.__exit__()
+    ref.add(grads, weight if ctx.reduction.name == "weighted" else None)
     if not ctx.in_backward and (i == 0 or i + 1 == ctx.accum.n or ctx.accum.step_every_micro):
         ref.flush()  # (a step() mid-window moves them too)
 
@@ -173,15 +191,42 @@ class WrapperSide:
         ctx, opt, model = self.ctx, self.opt, self.model
         if self.ref is not None:
             return reference_micro(ctx, self.ref, w, i, x, y, weight)
+        if ctx.loop == "reset_window" and (w, i) == (1, 1):
+            opt.reset_window()
+        frozen = Frozen(model) if frozen_micro(ctx, w, i) else None
+        if frozen is not None and ctx.loop == "freeze-before":
+            frozen.__enter__()
         loss = make_loss(ctx, model, w, i, x, y, opt.scale_loss)
+        if frozen is not None and ctx.loop == "freeze-between":
+            frozen.__enter__()
         weighted = ctx.reduction.name == "weighted"
         if weighted and not ctx.reduction.weight_after:
             opt.add_weight(weight)
         wrapper_grads(ctx, opt, model, loss, ctx.grads if i % 2 else "backward")
+        if frozen is not None:
+            frozen.__exit__()
         if weighted and ctx.reduction.weight_after:
             opt.add_weight(weight)
         if not ctx.in_backward and i == 0:
             opt.accumulate()
+
+    def add_group(self, mid: bool = False) -> bool:
+        """add_param_group: the withheld last layer unfrozen and added; mid-window the wrapper
+        may refuse with a ValueError naming add_param_group instead (the contract: keep the
+        window as native does, or refuse with nothing changed): False then, the layer stays
+        frozen and out, and the run goes on checking that nothing changed."""
+        layer = last_layer(self.model)
+        for p in layer:
+            p.requires_grad_(True)
+        try:
+            self.opt.add_param_group({"params": layer})
+        except ValueError as exc:
+            if not mid or "add_param_group" not in str(exc):
+                raise
+            for p in layer:
+                p.requires_grad_(False)
+            return False
+        return True
 
     def finish(self, last: bool):
         """After the micro-batch: step() where the loop calls it."""
@@ -212,7 +257,7 @@ class WrapperSide:
         rec["skipped"] = opt.skipped_steps > skipped
         if last and ctx.clip.startswith("max") and not rec["skipped"] and not rec["raised"]:
             rec["norm"] = opt.last_grad_norm
-        opt.zero_grad(set_to_none=ctx.hands != "zero_grad-keep")
+        clear(ctx, opt, model)
         return rec if last else None
 
     def rewrite_state(self) -> None:

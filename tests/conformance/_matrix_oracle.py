@@ -12,6 +12,7 @@ master before the next step); without masters the fp32 sum is cast to the param 
 from __future__ import annotations
 
 import torch
+from _matrix_actions import initial_params, install_inner_hooks, install_model_hooks, shrink
 from torch import nn
 
 LOWP = (torch.bfloat16, torch.float16)
@@ -38,19 +39,45 @@ class Reference:
     def __init__(self, ctx, model: nn.Module, inner: torch.optim.Optimizer | None = None):
         self.ctx, self.model = ctx, model
         self.params = list(model.parameters())
-        use = ctx.masters == "auto"
+        install_model_hooks(ctx, model)
+        built = initial_params(ctx, model) if inner is None else self.params
+        self.masters, self.casts = {}, {}
         # (a param frozen when the optimizer was built trains in its dtype if unfrozen)
-        self.masters = {id(p): nn.Parameter(p.detach().float().clone())
-                        for p in self.params if use and p.dtype in LOWP and p.requires_grad}
-        self.casts = {id(p): p.detach().clone() for p in self.params if id(p) in self.masters}
-        stepped = [self.masters.get(id(p), p) for p in self.params]
-        self.inner = inner if inner is not None else ctx.opt.build(stepped)
+        self._master(p for p in built if p.requires_grad)
+        stepped = [self.masters.get(id(p), p) for p in built]
+        if inner is None:
+            inner = ctx.opt.build(stepped)
+            install_inner_hooks(ctx, inner)
+            if ctx.hooks == "wrapper-post-hook":  # (fp32 only: the params are the model's)
+                inner.register_step_post_hook(lambda o, a, k: shrink(model.parameters()))
+        self.inner = inner
         self.acc: dict[int, torch.Tensor] = {}
         self.kept, self.weights, self.nonfinite_seen = 0, [], False
         self.pending: dict[int, torch.Tensor] = {}  # accumulate_in_backward=False: in .grad
         self.pending_weights: list = []
         self.pending_n = 0
         self.scale = ctx.loss_scale or 1.0
+
+    def _master(self, params) -> None:
+        if self.ctx.masters != "auto":
+            return
+        for p in params:
+            if p.dtype in LOWP:
+                self.masters[id(p)] = nn.Parameter(p.detach().float().clone())
+                self.casts[id(p)] = p.detach().clone()
+
+    # -- the loop axis ------------------------------------------------------------------------
+    def reset(self) -> None:
+        """opt.reset_window(): the window discarded, as zero_grad() (p.grad None)."""
+        self.acc, self.kept, self.weights = {}, 0, []
+        self.pending, self.pending_weights, self.pending_n = {}, [], 0
+
+    def add_group(self, layer: list) -> None:
+        """add_param_group: the withheld layer unfrozen and added (its masters made now)."""
+        for p in layer:
+            p.requires_grad_(True)
+        self._master(layer)
+        self.inner.add_param_group({"params": [self.masters.get(id(p), p) for p in layer]})
 
     # -- a micro-batch ------------------------------------------------------------------------
     def add(self, grads: dict[int, torch.Tensor], weight: float | None) -> None:
@@ -151,6 +178,9 @@ class Reference:
                     master.copy_(p.float())
 
     def after_step(self, order) -> None:
+        if self.ctx.loop == "no-zero_grad":  # .grad never cleared: the next window adds to it
+            self.kept, self.weights = 0, []
+            return
         keep = self.ctx.hands == "zero_grad-keep"
         self.acc = {id(p): torch.zeros_like(self.acc[id(p)]) for p in order} if keep else {}
         self.kept, self.weights = 0, []

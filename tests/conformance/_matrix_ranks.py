@@ -26,7 +26,15 @@ NAN_AT = (1, 1)
 # raises inside a schedule must not strand the next cases)
 LAUNCH = {"ddp": "w2", "process_group": "w2", "fsdp2": "w2", "pipe-gpipe": "w2",
           "pipe-zbv": "w2", "hsdp": "w4", "fsdp2-tp": "w4", "pipe-zbv-forgotten": "w2-guard"}
-WORLD = {"w2": 2, "w4": 4, "w2-guard": 2}
+WORLD = {"w2": 2, "w4": 4, "w2-guard": 2, "w2-ranks": 2}
+
+
+def launch_of(case: dict) -> str:
+    """A case's launch: ranks that disagree run in a launch of their own (a rank left waiting
+    must not strand the other cases)."""
+    if case.get("ranks") in ("missing-weight", "extra-step"):
+        return "w2-ranks"
+    return LAUNCH[case["layout"]]
 
 
 class Net(torch.nn.Module):
@@ -39,16 +47,44 @@ class Net(torch.nn.Module):
         return self.l2(torch.tanh(self.l1(x)))
 
 
-def _build(layout: str):
+# ranks: what one rank (rank 1) does differently. zero-weight: its micro-batch (0, 1) fully
+# masked (loss x 0, add_weight(0)), natively the per-token mean over the ranks; missing-weight:
+# it leaves out add_weight for (0, 1); extra-step: it calls step() after (0, 1) (no N); the last
+# two have no native run: an error naming the cause on every rank, or ranks in lockstep, is
+# expected. no_sync-all: DDP's no_sync() on every micro-batch, the last one too (native: the sync
+# on the last), on every rank.
+ODD_RANK, ODD_AT = 1, (0, 1)
+DDP_OPTIONS = {"ddp-bucket-view": {"gradient_as_bucket_view": True},
+               "ddp-static-graph": {"static_graph": True},
+               "ddp-small-buckets": {"bucket_cap_mb": 1e-4},
+               "ddp-find-unused": {"find_unused_parameters": True}}
+
+
+def _shard_options(engine: str) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if engine == "fsdp2-no-reshard":
+        return {"reshard_after_forward": False}
+    if engine == "fsdp2-mp":
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                  reduce_dtype=torch.float32)}
+    return {}
+
+
+def _build(layout: str, engine: str = "default"):
     """(model, the module to call, data-parallel rank, data-parallel size)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard as _fully_shard
+
+    def fully_shard(module, **kw):
+        return _fully_shard(module, **kw, **_shard_options(engine))
 
     torch.manual_seed(0)
     model = Net()
     rank, world = dist.get_rank(), dist.get_world_size()
     if layout == "ddp":
-        return model, torch.nn.parallel.DistributedDataParallel(model), rank, world
+        return model, torch.nn.parallel.DistributedDataParallel(
+            model, **DDP_OPTIONS.get(engine, {})), rank, world
     if layout == "process_group":
         return model, model, rank, world
     if layout == "fsdp2":
@@ -86,7 +122,9 @@ def train(case: dict, wrap: bool) -> list[dict]:
     from accumkernels import AccumulatingOptimizer
 
     layout, red = case["layout"], REDUCTIONS[case["reduction"]]
-    model, net, dp_rank, dp_size = _build(layout)
+    acts = case.get("ranks", "none")
+    odd = dist.get_rank() == ODD_RANK
+    model, net, dp_rank, dp_size = _build(layout, case.get("engine", "default"))
     opt = OPTIMIZERS[case["optimizer"]].build(model.parameters())
     n = MICRO if case["accum"] == "N" else None
     if wrap:
@@ -101,21 +139,29 @@ def train(case: dict, wrap: bool) -> list[dict]:
         for i in range(MICRO):
             last = i == MICRO - 1
             x, y, weight = _data(dp_rank, w, i)
+            at_odd = odd and (w, i) == ODD_AT
+            if acts == "zero-weight" and at_odd:
+                weight = 0.0
             weights.append(weight)
-            sync = last or layout != "ddp"
+            sync = (last and not (wrap and acts == "no_sync-all")) or layout != "ddp"
             ctx = net.no_sync() if not sync else _null()
+            report = wrap and weighted and not (acts == "missing-weight" and at_odd)
             with ctx:
                 loss = F.mse_loss(net(x), y, reduction="sum" if weighted else "mean")
                 if case["nonfinite"] != "none" and (w, i) == NAN_AT and dist.get_rank() == 0:
                     loss = loss * float("nan")
-                if wrap and weighted and not red.weight_after:
+                if acts == "zero-weight" and at_odd:
+                    loss = loss * 0.0
+                if report and not red.weight_after:
                     opt.add_weight(weight)
                 loss.backward()
-                if wrap and weighted and red.weight_after:
+                if report and red.weight_after:
                     opt.add_weight(weight)
             if wrap and n is not None and not last:
                 opt.step()
                 opt.zero_grad()
+            if wrap and acts == "extra-step" and at_odd:
+                opt.step()
         records.append(_step(case, model, opt, wrap, weights, dp_size))
     if wrap:
         opt.remove_hooks()
@@ -266,6 +312,29 @@ def compare(case: dict, native: list, ours: list) -> str | None:
     return None
 
 
+def train_disagreeing(case: dict) -> str | None:
+    """ranks=missing-weight / extra-step: one rank's action has no native run. Expected: an
+    error naming the cause on every rank (before any collective that would wait forever), or
+    the ranks in lockstep (the same params everywhere)."""
+    raised = ""
+    try:
+        records = train(case, wrap=True)
+    except Exception as exc:  # noqa: BLE001 -- what it raises is checked
+        raised, records = f"{type(exc).__name__}: {exc}", None
+    named = bool(raised) and any(k in raised for k in ("add_weight", "weight", "step()"))
+    flat = torch.cat([t.flatten() for t in records[-1]["params"].values()]) if records else \
+        torch.zeros(0)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (bool(raised), named, flat.tolist()))
+    if any(r for r, _, _ in every):
+        if all(r and nm for r, nm, _ in every):
+            return None
+        return f"raised on some ranks only or without naming the cause: {raised or 'nothing'}"
+    if all(f == every[0][2] for _, _, f in every):
+        return None
+    return "no error, and the ranks' params differ (they diverged silently)"
+
+
 def run_cases(cases: dict) -> dict:
     out = {}
     for cid, case in cases.items():
@@ -274,6 +343,9 @@ def run_cases(cases: dict) -> dict:
         try:
             if layout == "pipe-zbv-forgotten":
                 out[cid] = train_forgotten(case)
+                continue
+            if case.get("ranks") in ("missing-weight", "extra-step"):
+                out[cid] = train_disagreeing(case)
                 continue
             out[cid] = compare(case, run(case, wrap=False), run(case, wrap=True))
         except Exception as exc:  # noqa: BLE001 -- reported per case

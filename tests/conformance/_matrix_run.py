@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from _matrix_axes import describe
+from _matrix_actions import last_layer
 from _matrix_ckpt import BOUNDARY, MID, START
 from _matrix_loop import (CKPT_AT, Ctx, Departure, WrapperSide, reference_finish,
                           reference_micro)
@@ -115,6 +116,13 @@ def run_case(case: dict, cid: str) -> float:
             except Exception as exc:  # noqa: BLE001 -- native trains on: a departure
                 check.fail(where, f"the wrapper's side raised {type(exc).__name__}: {exc}")
             reference_micro(ctx, judge, w, i, x, y, weight)
+            if ctx.loop == "add_param_group-mid" and (w, i) == (1, 1):
+                try:
+                    added = side.add_group(mid=True)
+                except Exception as exc:  # noqa: BLE001
+                    check.fail(where, f"add_param_group raised {type(exc).__name__}: {exc}")
+                if added:
+                    judge.add_group(last_layer(judge.model))
             if watch_grads and side.ref is None:
                 check.grads(where, side, judge)
             try:
@@ -128,6 +136,13 @@ def run_case(case: dict, cid: str) -> float:
             if (w, i) == CKPT_AT:
                 _hook(MID, ctx, side, where)
         _hands(ctx, side.model, judge)
+        if w == 0 and ctx.loop == "add_param_group-boundary":
+            try:
+                side.add_group()
+            except Exception as exc:  # noqa: BLE001
+                check.fail("the boundary after window 0", f"add_param_group raised "
+                           f"{type(exc).__name__}: {exc}")
+            judge.add_group(last_layer(judge.model))
         if w == 0:
             _hook(BOUNDARY, ctx, side, "the boundary after window 0")
             if ctx.checkpoint == "native-into-inner":

@@ -11,14 +11,14 @@ import tempfile
 import pytest
 from _matrix_axes import describe
 from _matrix_cases import MULTI, cases, params
-from _matrix_ranks import LAUNCH, launch
+from _matrix_ranks import launch, launch_of
 
 DEADLINE = 400.0  # per launch; a quiet run needs ~30 s for all three
 
 
 @functools.cache
 def _results(name: str) -> dict:
-    mine = {cid: c for cid, c in cases(MULTI)[0].items() if LAUNCH[c["layout"]] == name}
+    mine = {cid: c for cid, c in cases(MULTI)[0].items() if launch_of(c) == name}
     with tempfile.TemporaryDirectory() as tmp:
         return launch(tmp, name, mine, DEADLINE)
 
@@ -26,7 +26,7 @@ def _results(name: str) -> dict:
 @pytest.mark.parametrize("cid", params(MULTI))
 def test_case(cid):
     case = cases(MULTI)[0][cid]
-    msg = _results(LAUNCH[case["layout"]])[cid]
+    msg = _results(launch_of(case))[cid]
     assert msg is None, f"case {cid} [{describe(case)}] departs from native at {msg}"
 
 

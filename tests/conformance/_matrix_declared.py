@@ -1,0 +1,266 @@
+"""The declaration of the public surface (_matrix_surface enumerates it): each item an axis value
+of the matrix (``ax``: "single.<axis>=<value>", "multi.<axis>=<value>", or "single"/"multi" for
+every case of that part) or an exclusion (``ex``) with its reason and the test file that covers it
+instead. test_surface.py fails on an enumerated item missing here, an axis value the matrix does
+not have, a reason without substance, or a test file that does not mention what it covers.
+
+Keys are the enumeration's names; ``*.flag`` declares a flag for every optimizer class not
+declared one by one.
+"""
+
+from __future__ import annotations
+
+from _matrix_surface import NOT_GRAD, READS, ax, ex
+
+OPT_SUITE = "tests/optim/test_conformance.py"  # torch's optim_db configs, native vs wrapper
+
+MEMBERS = {
+    "OptimizerPreHook": ex("a type alias torch.optim.Optimizer exports for hook signatures"),
+    "OptimizerPostHook": ex("a type alias torch.optim.Optimizer exports for hook signatures"),
+    "accumulate": ax("single.in_backward=False"),
+    "add_param_group": ax("single.loop=add_param_group-boundary",
+                          "single.loop=add_param_group-mid"),
+    "add_weight": ax("single.reduction=weighted-before", "single.reduction=weighted-after",
+                     "multi.reduction=weighted-before", "multi.ranks=zero-weight",
+                     "multi.ranks=missing-weight"),
+    "collective_timeout": ex("a deadline on the wrapper's own collectives (a hang becomes an "
+                             "error); nothing to cross on a healthy run",
+                             "tests/distributed/test_data_parallel.py"),
+    "defaults": ex("the inner optimizer's defaults dict, shared as natively", OPT_SUITE,
+                   "test_public_interface_of_the_inner_optimizer"),
+    "flush": ex("forces the step of a short last window; the matrix ends its short windows by "
+                "step() at the loop's boundary (accum=N-short-last)",
+                "tests/optim/test_window.py", "flush()"),
+    "join_stage_norm": ex("a pipeline stage's share of the norm clipped across stages (run by "
+                          "the pipeline layouts with clip=max_grad_norm)",
+                          "tests/conformance/_matrix_ranks.py", "stage_norm"),
+    "last_grad_norm": ax("single.clip=max_grad_norm", "multi.clip=max_grad_norm"),
+    "load_state_dict": ax("single.checkpoint=save-load", "single.checkpoint=dcp-flat",
+                          "single.checkpoint=native-step0"),
+    "loss_scale": ax("single.dtype=fp16"),
+    "master_params": ax("single.masters=auto"),
+    "micro_steps": ex("reads the window's count", "tests/optim/test_window.py", "micro_steps"),
+    "param_groups": ex("shared with the inner optimizer; LR schedulers write it",
+                       "tests/optim/test_lr_schedulers.py", "param_groups"),
+    "process_group": ax("multi.layout=process_group"),
+    "profile_hook_step": ex("torch's profiler decorator, a static helper of "
+                            "torch.optim.Optimizer that no loop calls"),
+    "register_load_state_dict_post_hook": ex("state-dict hooks run as natively (optim_db)",
+                                             OPT_SUITE),
+    "register_load_state_dict_pre_hook": ex("state-dict hooks run as natively (optim_db)",
+                                            OPT_SUITE),
+    "register_state_dict_post_hook": ex("state-dict hooks run as natively (optim_db)",
+                                        OPT_SUITE),
+    "register_state_dict_pre_hook": ex("state-dict hooks run as natively (optim_db)", OPT_SUITE),
+    "register_step_post_hook": ax("single.hooks=wrapper-post-hook"),
+    "register_step_pre_hook": ex("step hooks fire once per real step in native order "
+                                 "(optim_db); the post-hook is the crossed one", OPT_SUITE),
+    "remove_hooks": ex("detaches the wrapper from the model; every checkpoint path of the "
+                       "matrix calls it on the wrapper it replaces",
+                       "tests/conformance/_matrix_ckpt.py"),
+    "reset_window": ax("single.loop=reset_window"),
+    "scale_loss": ax("single.dtype=fp16"),
+    "skipped_microbatches": ax("single.nonfinite=nan-skip_microbatch"),
+    "skipped_steps": ax("single.nonfinite=nan-skip_step", "multi.nonfinite=nan-skip_step"),
+    "state": ax("single.hands=state-rewrite"),
+    "state_dict": ax("single.checkpoint=save-load", "single.checkpoint=to-native",
+                     "single.checkpoint=deepcopy"),
+    "step": ax("single.accum=N", "single.accum=None", "single.accum=N-short-last"),
+    "sync_step": ex("reads whether the next step is a real one", "tests/optim/test_intake.py",
+                    "sync_step"),
+    "weight_pass": ax("single.grads=wp-assign", "single.grads=wp-mixed",
+                      "single.grads=wp-nested", "single.grads=wp-raise"),
+    "window_template": ex("the DCP load template of a sharded window; multi-rank DCP "
+                          "checkpoints", "tests/distributed/test_fsdp2_checkpoint.py"),
+    "zero_grad": ax("single.loop=opt-zero_grad", "single.hands=zero_grad-keep"),
+    # not attributes of the class, but ways in
+    "step(closure)": ex("a closure optimizer (LBFGS) evaluates the loss several times inside "
+                        "one step: no window of micro-batches for the matrix's loop; every "
+                        "wrapper option with a closure is tested against native there",
+                        "tests/optim/test_closure.py", "LBFGS"),
+    "train": ex("passes through to the inner optimizer (schedule-free optimizers)", OPT_SUITE,
+                "test_train_eval_pass_through"),
+    "eval": ex("passes through to the inner optimizer (schedule-free optimizers)", OPT_SUITE,
+               "test_train_eval_pass_through"),
+}
+
+OPTIONS = {
+    "accumulation_steps": ax("single.accum=N", "single.accum=None"),
+    "accumulation_steps=int": ax("single.accum=N", "multi.accum=N"),
+    "accumulation_steps=None": ax("single.accum=None", "multi.accum=None"),
+    "reduction": ax("single.reduction=sum"),
+    "reduction=sum": ax("single.reduction=sum"),
+    "reduction=mean": ax("single.reduction=mean"),
+    "reduction=weighted": ax("single.reduction=weighted-before"),
+    "master_weights": ax("single.masters=auto"),
+    "master_weights=auto": ax("single.masters=auto"),
+    "master_weights=False": ax("single.masters=False"),
+    "master_weights=True": ex("=auto on the low-precision models the matrix builds; True on an "
+                              "fp32 model has no master to keep",
+                              "tests/optim/test_masters.py", "master_weights"),
+    "accumulate_in_backward": ax("single.in_backward=True"),
+    "accumulate_in_backward=True": ax("single.in_backward=True"),
+    "accumulate_in_backward=False": ax("single.in_backward=False"),
+    "max_grad_norm": ax("single.clip=max_grad_norm"),
+    "max_grad_norm=None": ax("single.clip=none"),
+    "max_grad_norm=float": ax("single.clip=max_grad_norm", "single.clip=max_grad_norm-loose"),
+    "nonfinite": ax("single.nonfinite=none"),
+    "nonfinite=skip_step": ax("single.nonfinite=nan-skip_step"),
+    "nonfinite=skip_microbatch": ax("single.nonfinite=nan-skip_microbatch"),
+    "nonfinite=raise": ax("single.nonfinite=nan-raise"),
+    "loss_scale": ax("single.dtype=fp16"),
+    "loss_scale=None": ax("single.dtype=fp32"),
+    "loss_scale=float": ax("single.dtype=fp16"),
+    "loss_scale=dynamic": ex("growth and backoff like torch.amp.GradScaler over many steps; the "
+                             "matrix's fp16 runs a fixed scale", "tests/optim/test_loss_scale.py",
+                             "dynamic"),
+    "process_group": ax("multi.layout=process_group"),
+    "process_group=None": ax("single"),
+    "process_group=group": ax("multi.layout=process_group"),
+    "bucket_size_mb": ex("bucket granularity: the matrix runs 0.0005 MB (a bucket per param or "
+                         "two) everywhere; bucket sizes are the buffer's tests",
+                         "tests/buffer/test_buffer.py", "bucket_size_mb"),
+    "backend": ex("the kernel backend: each backend is checked against the float64 reference",
+                  "tests/op/test_accumulate.py", "backend"),
+    "backend=auto": ax("single"),
+    "backend=torch": ex("the reference backend, checked against the float64 reference",
+                        "tests/op/test_accumulate.py", "torch"),
+    "backend=cpu": ex("the C++ kernel (what auto picks on a CPU)", "tests/op/test_accumulate.py",
+                      "cpu"),
+    "backend=triton": ex("Triton runs on a GPU, or under TRITON_INTERPRET=1",
+                         "tests/op/test_triton_backend.py", "triton"),
+    "backend=cuda": ex("needs a GPU", "tests/op/test_gpu_kernels.py", "cuda"),
+    "model": ax("single"),
+    "model=None": ex("the wrapper finds its params through the inner optimizer; the optim_db "
+                     "suite wraps without model=", OPT_SUITE, "AccumulatingOptimizer("),
+    "model=module": ax("single"),
+    "model=DDP": ax("multi.layout=ddp"),
+    "model=FSDP2": ax("multi.layout=fsdp2", "multi.layout=hsdp", "multi.layout=fsdp2-tp"),
+    "independent_ranks": ex("pipeline stages step their own params without a data-parallel "
+                            "reduce", "tests/distributed/test_pipelining.py",
+                            "independent_ranks"),
+    "independent_ranks=False": ax("multi.layout=ddp"),
+    "independent_ranks=True": ex("pipeline stages step their own params without a "
+                                 "data-parallel reduce", "tests/distributed/test_pipelining.py",
+                                 "independent_ranks"),
+}
+
+_CAPTURABLE = ex("torch refuses capturable=True for CPU params ('params and state_steps must be "
+                 "on supported devices'); a CUDA-graph path", "tests/op/test_cuda_graphs.py",
+                 "capturable")
+_SUITE_FLAG = ex("torch's optim_db configs of this flag, several steps and windows "
+                 "bit-identical to native", "tests/optim/_conformance_common.py", "optim_db")
+OPTIMIZERS = {
+    "SGD": ax("single.optimizer=sgd-forloop", "single.optimizer=sgd-foreach",
+              "single.optimizer=sgd-fused"),
+    "SGD.foreach": ax("single.optimizer=sgd-foreach"),
+    "SGD.fused": ax("single.optimizer=sgd-fused"),
+    "SGD.nesterov": ax("single.optimizer=sgd-forloop"),
+    "Adam": ax("single.optimizer=adam-forloop"),
+    "Adam.foreach": ax("single.optimizer=adam-foreach"),
+    "Adam.fused": ax("single.optimizer=adam-fused"),
+    "Adam.amsgrad": ax("single.optimizer=adam-amsgrad-maximize-fused"),
+    "Adam.maximize": ax("single.optimizer=adam-amsgrad-maximize-fused"),
+    "AdamW": ax("single.optimizer=adamw-forloop", "multi.optimizer=adamw-forloop"),
+    "AdamW.foreach": ax("single.optimizer=adamw-foreach"),
+    "AdamW.fused": ax("single.optimizer=adamw-fused", "multi.optimizer=adamw-fused"),
+    "RMSprop": ax("single.optimizer=rmsprop-foreach"),
+    "RMSprop.foreach": ax("single.optimizer=rmsprop-foreach"),
+    "Adagrad": ax("single.optimizer=adagrad-forloop"),
+    "Adagrad.fused": ax("single.optimizer=adagrad-fused"),
+    "NAdam": ax("single.optimizer=nadam-foreach"),
+    "NAdam.foreach": ax("single.optimizer=nadam-foreach"),
+    "RAdam": ax("single.optimizer=radam-forloop"),
+    "RAdam.decoupled_weight_decay": ax("single.optimizer=radam-forloop"),
+    "Adamax": ax("single.optimizer=adamax-foreach"),
+    "Adamax.foreach": ax("single.optimizer=adamax-foreach"),
+    "ASGD": ax("single.optimizer=asgd-forloop"),
+    "Rprop": ax("single.optimizer=rprop-foreach"),
+    "Rprop.foreach": ax("single.optimizer=rprop-foreach"),
+    "Adadelta": ax("single.optimizer=adadelta-foreach"),
+    "Adadelta.foreach": ax("single.optimizer=adadelta-foreach"),
+    "Adafactor": ax("single.optimizer=adafactor-forloop"),
+    "LBFGS": ex("a closure optimizer: every wrapper option with step(closure) against native",
+                "tests/optim/test_closure.py", "LBFGS"),
+    "SparseAdam": ex("sparse gradients: refused at construction by name", OPT_SUITE, "sparse"),
+    "Muon": ex("2-D params only (no biases, no convolutions): the matrix's models have 1-D "
+               "params; its optim_db configs run against native",
+               "tests/optim/_conformance_common.py", "Muon"),
+    "*.capturable": _CAPTURABLE,
+    "*.differentiable": ex("refused at construction by name: a step autograd differentiates "
+                           "through cannot run on an accumulated window", OPT_SUITE,
+                           "differentiable"),
+    "*.foreach": _SUITE_FLAG,
+    "*.fused": _SUITE_FLAG,
+    "*.maximize": _SUITE_FLAG,
+    "*.amsgrad": _SUITE_FLAG,
+    "*.decoupled_weight_decay": _SUITE_FLAG,
+    "*.nesterov": _SUITE_FLAG,
+}
+
+HOOKS = {
+    "Tensor.register_hook": ax("single.hooks=tensor-hook"),
+    "Tensor.register_post_accumulate_grad_hook": ex(
+        "a user's post-accumulate hook sees p.grad as natively (the running window) and may "
+        "change it; the optimizer-in-backward pattern steps per param inside backward, with no "
+        "window to accumulate", "tests/optim/test_user_hooks.py",
+        "register_post_accumulate_grad_hook"),
+    "inner.register_step_pre_hook": ax("single.hooks=inner-pre-hook"),
+    "inner.register_step_post_hook": ax("single.hooks=inner-post-hook"),
+    "inner.register_state_dict_pre_hook": ex("state-dict hooks of the inner optimizer run as "
+                                             "natively", OPT_SUITE, "state_dict"),
+    "inner.register_state_dict_post_hook": ex("state-dict hooks of the inner optimizer run as "
+                                              "natively", OPT_SUITE, "state_dict"),
+    "inner.register_load_state_dict_pre_hook": ex("state-dict hooks of the inner optimizer run "
+                                                  "as natively", OPT_SUITE, "load_state_dict"),
+    "inner.register_load_state_dict_post_hook": ex("state-dict hooks of the inner optimizer "
+                                                   "run as natively", OPT_SUITE,
+                                                   "load_state_dict"),
+}
+
+_MOVES = ex("changes the params' dtype or device between calls: native's result or a clear "
+            "error with nothing changed", "tests/optim/test_device_moves.py", "to(")
+_MODULE_HOOK = ex("a module backward hook changes grad_output/grad_input before the params' "
+                  "AccumulateGrad, the same path as the crossed full backward pre-hook",
+                  "tests/optim/test_user_hooks.py", "register_full_backward_hook")
+_FORWARD = ex(NOT_GRAD + "; both sides run the same forward")
+MODEL = {
+    **{f"Module.{n}": ex(READS) for n in (
+        "T_destination", "buffers", "children", "extra_repr", "get_buffer", "get_extra_state",
+        "get_parameter", "get_submodule", "modules", "named_buffers", "named_children",
+        "named_modules", "named_parameters", "parameters", "state_dict", "dump_patches",
+        "call_super_init")},
+    **{f"Module.{n}": _FORWARD for n in (
+        "forward", "register_forward_hook", "register_forward_pre_hook", "register_buffer",
+        "set_extra_state", "register_state_dict_pre_hook", "register_state_dict_post_hook",
+        "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook")},
+    **{f"Module.{n}": _MOVES for n in (
+        "to", "cpu", "cuda", "double", "float", "half", "bfloat16", "type", "xpu", "ipu", "mtia",
+        "to_empty", "apply")},
+    "Module.register_full_backward_pre_hook": ax("single.hooks=module-hook"),
+    "Module.register_full_backward_hook": _MODULE_HOOK,
+    "Module.register_backward_hook": _MODULE_HOOK,
+    "Module.add_module": ax("single.loop=add_param_group-boundary"),
+    "Module.register_module": ax("single.loop=add_param_group-boundary"),
+    "Module.set_submodule": ax("single.loop=add_param_group-boundary"),
+    "Module.register_parameter": ax("single.loop=add_param_group-boundary"),
+    "Module.eval": ex("a module flag (dropout, BatchNorm: check_model warns on BatchNorm in "
+                      "training mode)", "tests/optim/test_conformance.py", "eval"),
+    "Module.train": ex("a module flag (dropout, BatchNorm: check_model warns on BatchNorm in "
+                       "training mode)", "tests/optim/test_conformance.py", "train"),
+    "Module.load_state_dict": ax("single.checkpoint=save-load"),
+    "Module.requires_grad_": ax("single.loop=freeze-before", "single.loop=freeze-between",
+                                "single.params=frozen"),
+    "Module.share_memory": ex("moves the params' storage to shared memory between calls",
+                              "tests/optim/test_fused_master.py", "share_memory"),
+    "Module.zero_grad": ax("single.loop=model-zero_grad"),
+    "Module.compile": ex("the model compiled: the accumulation op is a custom op that works "
+                         "under torch.compile", "tests/op/test_op_registration.py", "compile"),
+    "requires_grad-before-forward": ax("single.loop=freeze-before"),
+    "requires_grad-between-forward-and-backward": ax("single.loop=freeze-between"),
+    "requires_grad-mid-window": ax("single.loop=freeze-before"),
+    "param-added": ax("single.loop=add_param_group-boundary", "single.loop=add_param_group-mid"),
+    "param-replaced": ax("single.hands=data-write", "single.hands=data-transpose"),
+    "no-zero_grad": ax("single.loop=no-zero_grad"),
+    "p.grad=None": ax("single.loop=grad-none"),
+}
