@@ -87,7 +87,7 @@ def frozen_micro(ctx, w: int, i: int) -> bool:
 def clear(ctx, opt, model) -> None:
     """The loop's clear after a step() call, the case's way."""
     keep = ctx.hands == "zero_grad-keep"
-    if ctx.loop == "model-zero_grad":
+    if ctx.loop in ("model-zero_grad", "model-zero_grad-every"):
         model.zero_grad(set_to_none=not keep)
     elif ctx.loop == "grad-none":
         for p in model.parameters():

@@ -110,14 +110,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What loops do to the model and the optimizer (_matrix_loop.LoopActions does them on both sides):
 # opt-zero_grad: opt.zero_grad() after every step() call (the plain loop); model-zero_grad /
 # grad-none: the same clear through model.zero_grad() / p.grad = None (the HF Trainer's way);
-# no-zero_grad: never cleared (the next window adds to the last, as .grad does natively);
-# reset_window: opt.reset_window() before the forward of window 1's micro-batch 1;
-# add_param_group-boundary / -mid: the last layer frozen and left out of the optimizer at
-# construction, unfrozen and added with add_param_group at the boundary after window 0 / after
-# window 1's micro-batch 1 backward; freeze-between / freeze-before: the first layer's params
+# model-zero_grad-every: model.zero_grad() after every micro-batch, step() called or not (with N
+# it means opt.zero_grad(): a filling window is kept); no-zero_grad: never cleared (the next
+# window adds to the last, as .grad does natively); reset_window: opt.reset_window() before the
+# forward of window 1's micro-batch 2; add_param_group-boundary / -mid: the last layer frozen
+# and left out of the optimizer at construction, unfrozen and added with add_param_group at the
+# boundary after window 0 / after window 1's micro-batch 0 backward (before accumulate() moves
+# it: accumulate_in_backward=False keeps it in .grad); freeze-between / freeze-before: the first layer's params
 # requires_grad_(False) between the forward and the backward / before the forward of every
 # odd micro-batch of windows 1 and 2, restored after its backward (GAN code).
-LOOPS = ("opt-zero_grad", "model-zero_grad", "grad-none", "no-zero_grad", "reset_window",
+LOOPS = ("opt-zero_grad", "model-zero_grad", "grad-none", "model-zero_grad-every",
+         "no-zero_grad", "reset_window",
          "add_param_group-boundary", "add_param_group-mid", "freeze-between", "freeze-before")
 # Hooks registered before wrapping: tensor-hook: p.register_hook(g * 0.5) on the first param;
 # module-hook: a full backward pre-hook on the model halving grad_output; inner-pre-hook /
@@ -232,6 +235,10 @@ SINGLE_CONSTRAINTS = [
     # reset_window mid-window: with N the window's end moves (the loop would need to know);
     # without N every step() ends the window
     _implies(_f("loop", "eq", "reset_window"), _f("accum", "eq", "None")),
+    # a clear every micro-batch keeps a filling window only with N; it zeroes it in place with
+    # set_to_none=False (above)
+    _implies(_f("loop", "eq", "model-zero_grad-every"), {"operator": "and", "conditions": [
+        _f("accum", "ne", "None"), _f("hands", "ne", "zero_grad-keep")]}),
     # a layer added by add_param_group: a checkpoint path rebuilds its optimizer from the model
     # in one group, which a state dict of two groups does not load into
     _implies(_f("loop", "in", ["add_param_group-boundary", "add_param_group-mid"]),

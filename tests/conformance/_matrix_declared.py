@@ -39,7 +39,7 @@ MEMBERS = {
                           "single.checkpoint=native-step0"),
     "loss_scale": ax("single.dtype=fp16"),
     "master_params": ax("single.masters=auto"),
-    "micro_steps": ex("reads the window's count", "tests/optim/test_window.py", "micro_steps"),
+    "micro_steps": ex("reads how many micro-batches the window counts", "tests/optim/test_window.py", "micro_steps"),
     "param_groups": ex("shared with the inner optimizer; LR schedulers write it",
                        "tests/optim/test_lr_schedulers.py", "param_groups"),
     "process_group": ax("multi.layout=process_group"),
@@ -129,7 +129,7 @@ OPTIONS = {
                       "cpu"),
     "backend=triton": ex("Triton runs on a GPU, or under TRITON_INTERPRET=1",
                          "tests/op/test_triton_backend.py", "triton"),
-    "backend=cuda": ex("needs a GPU", "tests/op/test_gpu_kernels.py", "cuda"),
+    "backend=cuda": ex("the CUDA kernel needs a GPU (its host emulation runs here)", "tests/op/test_gpu_kernels.py", "cuda"),
     "model": ax("single"),
     "model=None": ex("the wrapper finds its params through the inner optimizer; the optim_db "
                      "suite wraps without model=", OPT_SUITE, "AccumulatingOptimizer("),
@@ -253,7 +253,7 @@ MODEL = {
                                 "single.params=frozen"),
     "Module.share_memory": ex("moves the params' storage to shared memory between calls",
                               "tests/optim/test_fused_master.py", "share_memory"),
-    "Module.zero_grad": ax("single.loop=model-zero_grad"),
+    "Module.zero_grad": ax("single.loop=model-zero_grad", "single.loop=model-zero_grad-every"),
     "Module.compile": ex("the model compiled: the accumulation op is a custom op that works "
                          "under torch.compile", "tests/op/test_op_registration.py", "compile"),
     "requires_grad-before-forward": ax("single.loop=freeze-before"),

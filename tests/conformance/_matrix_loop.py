@@ -24,6 +24,7 @@ from _matrix_oracle import CLIP, CLIP_LOOSE, LOWP, Reference
 from accumkernels import AccumulatingOptimizer
 
 NAN_AT, CKPT_AT = (1, 1), (1, 0)
+ADD_AT, RESET_AT = (1, 0), (1, 2)  # loop=add_param_group-mid, reset_window
 WINDOWS, MICRO = 3, 3
 LOSS_SCALE = 1024.0
 
@@ -151,7 +152,7 @@ def reference_micro(ctx: Ctx, ref: Reference, w, i, x, y, weight) -> None:
     """The micro-batch natively. With accumulate_in_backward=False the wrapper's moves are
     where the gradients autograd summed in ``.grad`` (in the param dtype) join the fp32 sum:
     accumulate() after micro-batch 0, the N-th backward, a weight pass's start, every step()."""
-    if ctx.loop == "reset_window" and (w, i) == (1, 1):
+    if ctx.loop == "reset_window" and (w, i) == RESET_AT:
         ref.reset()
     frozen = Frozen(ref.model) if frozen_micro(ctx, w, i) else None
     if frozen is not None and ctx.loop == "freeze-before":
@@ -182,6 +183,7 @@ class WrapperSide:
         self.ctx, self.model = ctx, model
         self.ref: Reference | None = None
         self.opt = None
+        self.added = False  # loop=add_param_group-mid: the wrapper took the group
         if ctx.checkpoint == "native-into-inner":
             self.ref = Reference(ctx, model)  # window 0 natively, then into a wrapper's inner
         else:
@@ -191,7 +193,7 @@ class WrapperSide:
         ctx, opt, model = self.ctx, self.opt, self.model
         if self.ref is not None:
             return reference_micro(ctx, self.ref, w, i, x, y, weight)
-        if ctx.loop == "reset_window" and (w, i) == (1, 1):
+        if ctx.loop == "reset_window" and (w, i) == RESET_AT:
             opt.reset_window()
         frozen = Frozen(model) if frozen_micro(ctx, w, i) else None
         if frozen is not None and ctx.loop == "freeze-before":
@@ -207,6 +209,8 @@ class WrapperSide:
             frozen.__exit__()
         if weighted and ctx.reduction.weight_after:
             opt.add_weight(weight)
+        if ctx.loop == "add_param_group-mid" and (w, i) == ADD_AT:
+            self.added = self.add_group(mid=True)  # (before accumulate(): .grad unmoved)
         if not ctx.in_backward and i == 0:
             opt.accumulate()
 
@@ -234,6 +238,8 @@ class WrapperSide:
             return reference_finish(self.ctx, self.ref, last)
         if self.ctx.accum.step_every_micro or last:
             return self.step(last)
+        if self.ctx.loop == "model-zero_grad-every":  # cleared every micro-batch all the same
+            self.model.zero_grad()
         return None
 
     def step(self, last: bool):

@@ -13,7 +13,7 @@ import torch
 from _matrix_axes import describe
 from _matrix_actions import last_layer
 from _matrix_ckpt import BOUNDARY, MID, START
-from _matrix_loop import (CKPT_AT, Ctx, Departure, WrapperSide, reference_finish,
+from _matrix_loop import (ADD_AT, CKPT_AT, Ctx, Departure, WrapperSide, reference_finish,
                           reference_micro)
 from _matrix_models import build, micro_batch
 from _matrix_oracle import LOWP, Reference
@@ -116,13 +116,8 @@ def run_case(case: dict, cid: str) -> float:
             except Exception as exc:  # noqa: BLE001 -- native trains on: a departure
                 check.fail(where, f"the wrapper's side raised {type(exc).__name__}: {exc}")
             reference_micro(ctx, judge, w, i, x, y, weight)
-            if ctx.loop == "add_param_group-mid" and (w, i) == (1, 1):
-                try:
-                    added = side.add_group(mid=True)
-                except Exception as exc:  # noqa: BLE001
-                    check.fail(where, f"add_param_group raised {type(exc).__name__}: {exc}")
-                if added:
-                    judge.add_group(last_layer(judge.model))
+            if ctx.loop == "add_param_group-mid" and (w, i) == ADD_AT and side.added:
+                judge.add_group(last_layer(judge.model))
             if watch_grads and side.ref is None:
                 check.grads(where, side, judge)
             try:
