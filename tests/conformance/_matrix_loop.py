@@ -9,17 +9,16 @@ user's hands between windows (or before each step).
 
 from __future__ import annotations
 
-import copy
 import io
 import zlib
 from dataclasses import dataclass
 
 import torch
-from _matrix_axes import ACCUMS, DTYPES, NONFINITES, OPTIMIZERS, REDUCTIONS, describe
-from _matrix_models import build, extra_used, loss_fn, micro_batch, same_start
+from _matrix_axes import ACCUMS, DTYPES, NONFINITES, OPTIMIZERS, REDUCTIONS
+from _matrix_models import extra_used, loss_fn
 from _matrix_actions import (Frozen, clear, frozen_micro, initial_params, install_inner_hooks,
                              install_model_hooks, last_layer, shrink)
-from _matrix_oracle import CLIP, CLIP_LOOSE, LOWP, Reference
+from _matrix_oracle import CLIP, CLIP_LOOSE, Reference
 
 from accumkernels import AccumulatingOptimizer
 
