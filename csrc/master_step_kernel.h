@@ -5,7 +5,10 @@
 //   3. the update of the master and its state, bit for bit as torch's own CUDA fused kernel
 //      computes it for an fp32 param (torch.optim.Adam/AdamW/SGD(fused=True));
 //   4. weight = round_to_nearest_even(master) (torch's weight.copy_(master)).
-// With found_inf given and nonzero nothing is written. Everything read from device memory
+// With found_inf given and nonzero (NaN included) nothing is written, in every backend. torch's
+// fused kernels skip only on exactly 1.0: a GradScaler that sums found_inf over two devices (2.0)
+// makes them update with the non-finite gradients; here that step is skipped (the weights stay
+// finite), while the steps still drop by found_inf as torch's do. Everything read from device memory
 // (found_inf, grad_scale, a tensor lr, each tensor's step): no host synchronisation.
 //
 // Written once for two compilers, like accumulate_kernel.h (whose host stand-ins of CUDA's

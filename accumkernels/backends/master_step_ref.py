@@ -1,6 +1,9 @@
 """Backend ``"torch"`` of the fused master step, in plain torch ops: the readable definition.
 
-Per tensor, when ``found_inf`` is absent or zero (otherwise nothing is written):
+Per tensor, when ``found_inf`` is absent or zero (otherwise nothing is written: any nonzero value,
+NaN included, in every backend; torch's fused kernels skip only on exactly 1.0, so a GradScaler
+flag summed over two devices, 2.0, makes torch step with non-finite gradients where this skips;
+the steps still move as torch's, +1 then -found_inf):
 
 1. the fp32 master takes its bf16/fp16 weight where ``weight != master.to(weight.dtype)`` (a
    weight the user wrote; NaN differs);

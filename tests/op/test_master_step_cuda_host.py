@@ -514,14 +514,16 @@ def test_grid_stride_and_empty_tensors():
     assert launches == ["fp16 param64 grid=3 chunks=6 tensors=3"]
 
 
+@pytest.mark.parametrize("flag", [1.0, 2.0])
 @pytest.mark.parametrize("algo", ["adam_f32", "sgd"])
-def test_found_inf_writes_nothing(algo):
+def test_found_inf_writes_nothing(algo, flag):
     """found_inf nonzero: masters, weights (even written ones), grads, state: all unchanged.
-    found_inf zero: the step runs."""
+    found_inf zero: the step runs. 2.0 (GradScaler's sum over two devices) skips too, where
+    torch's fused kernels, which skip only on exactly 1.0, would update with non-finite grads."""
     case = make_case([6, 4099], [torch.bfloat16, torch.float16], algo, amsgrad=True)
     before = snapshot(case)
     run_host(algo, case, options(amsgrad=algo != "sgd", grad_scale=8.0,
-                                 found_inf_tensor=torch.tensor([1.0])))
+                                 found_inf_tensor=torch.tensor([flag])))
     after = snapshot(case)
     for t0, t1 in zip(before, after):
         for k in ("p", "w", "g", "s0", "s1", "s2"):
