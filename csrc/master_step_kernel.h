@@ -8,8 +8,8 @@
 // With found_inf given and nonzero (NaN included) nothing is written, in every backend. torch's
 // fused kernels skip only on exactly 1.0: a GradScaler that sums found_inf over two devices (2.0)
 // makes them update with the non-finite gradients; here that step is skipped (the weights stay
-// finite), while the steps still drop by found_inf as torch's do. Everything read from device memory
-// (found_inf, grad_scale, a tensor lr, each tensor's step): no host synchronisation.
+// finite), while the steps still drop by found_inf as torch's do. Everything read from device
+// memory (found_inf, grad_scale, a tensor lr, each tensor's step): no host synchronisation.
 //
 // Written once for two compilers, like accumulate_kernel.h (whose host stand-ins of CUDA's
 // vector and 16-bit types this file reuses): nvcc compiles it into master_step_cuda.cu, the host
