@@ -7,8 +7,9 @@ into a driver that plays each launch block by block, thread by thread
 (csrc/accumulate_cuda_host.cpp), after the same table building (parameter tables of 64/256/1000
 entries, longer lists as groups of 1000, captured or not). So these tests execute the kernel's
 chunking, table search, aligned 16-byte path, scalar tail, overwrite, scale pointer and found_inf
-reduction, and the launch marshalling, on every CI run. The guards are NaN: an out-of-bounds write changes them, an
-out-of-bounds read of src raises found_inf or puts a NaN where the reference has none.
+reduction, and the launch marshalling, on every CI run. The guards are NaN: an out-of-bounds
+write changes them, an out-of-bounds read of src raises found_inf or puts a NaN where the
+reference has none.
 """
 
 from __future__ import annotations
