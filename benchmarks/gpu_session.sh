@@ -13,7 +13,7 @@
 #             GPT-2-124M list vs the loops and _foreach_add_, host overhead for 300 tensors, the
 #             step table's fused-master rows). Budget 450 s (AK_BUDGET). Without a GPU (or with
 #             AK_CPU=1) it rehearses the same stages on the CPU: an in-place CPU build, the
-#             interpreter, --quick benchmarks (benchmarks/results/first-rehearsal-cpu.log)
+#             interpreter, --quick benchmarks (benchmarks/results/first-rehearsal-cpu-*.log)
 #             Plan on the GPU (s; cap in brackets, FIRST_PLAN below): env 10 [20], build 40 [85]
 #             (one arch, 16 jobs: master_step_cuda.cu's instantiations need 8 s of CPU here),
 #             triton-warm 40 [55] (only the Triton parametrisations, contiguous shards over 15
@@ -42,8 +42,9 @@
 # with its summary; a failing stage never stops the next one. Output: everything in
 # $OUT/session.log (the tails of failed stages again in the summary, the Triton warm-up's shard
 # logs in $OUT/triton-warm-logs), a partial-STAGE.json for a stage stopped by its cap, the summary
-# as $OUT/stages-MODE.json (written on SIGTERM too), JSON records in $OUT (also copied to benchmarks/results/ of the device's
-# tree, which does not come back: copy them from the call's files), a summary table last.
+# as $OUT/stages-MODE.json (written on SIGTERM too), JSON records in $OUT (also copied to
+# benchmarks/results/ of the device's tree, which does not come back: copy them from the call's
+# files), a summary table last.
 # Environment: OUT (the device tool sets it), ACCUMKERNELS_GIT_COMMIT (the commit, recorded in
 # every JSON; the device's tree has no git), PY (default python3), AK_BUDGET.
 set -u -o pipefail
