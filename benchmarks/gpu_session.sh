@@ -13,13 +13,15 @@
 #             GPT-2-124M list vs the loops and _foreach_add_, host overhead for 300 tensors, the
 #             step table's fused-master rows). Budget 450 s (AK_BUDGET). Without a GPU (or with
 #             AK_CPU=1) it rehearses the same stages on the CPU: an in-place CPU build, the
-#             interpreter, --quick benchmarks (benchmarks/results/first-rehearsal-cpu.log)
-#             Plan on the GPU (s; cap in brackets, the 450 s budget bounds the sum): env 10 [30],
-#             build 40 [120] (one arch, 16 jobs: master_step_cuda.cu's 18 instantiations need 8 s
-#             of CPU here), triton-warm 60 [100] (~140 compiles, issue 41's count, ~3 s each over
-#             15 jobs, plus collection and the shards' tests), pytest-master 25 [60],
-#             pytest-kernels 60 [90], memcheck accumulate 45 [50], memcheck master 45 [50],
-#             bench-headline 60 [70], bench-step-master 45 [50]: 390 s planned
+#             interpreter, --quick benchmarks (benchmarks/results/first-rehearsal-cpu-*.log)
+#             Plan on the GPU (s; cap in brackets, FIRST_PLAN below): env 10 [20], build 40 [85]
+#             (one arch, 16 jobs: master_step_cuda.cu's instantiations need 8 s of CPU here),
+#             triton-warm 40 [55] (only the Triton parametrisations, contiguous shards over 15
+#             jobs, ~3 s per compile), pytest-master 25 [35], bench-headline 50 [60],
+#             bench-step-master 35 [40], pytest-kernels 35 [40], memcheck accumulate 30 [35],
+#             memcheck master 25 [30]: 290 s planned; worst case, every stage at its cap and
+#             then killed: 400 + 9 x 5 s kill grace + 5 s summary = 450 s. The benchmarks run
+#             before the kernel tests and the memchecks, so a long early stage cuts those.
 #   all       (default) env, build, GPU tests, a bf16 benchmark, the four compute-sanitizer tools
 #   check     env, build, GPU tests, the four compute-sanitizer tools
 #   bench     env, build, the full benchmark (eager), the optimizer step (bench_step.py), the
@@ -38,8 +40,11 @@
 # Every stage runs under `timeout`, and the whole run stops starting stages once
 # AK_BUDGET seconds (default 540) are nearly spent, so a call with timeout_s=600 always ends
 # with its summary; a failing stage never stops the next one. Output: everything in
-# $OUT/session.log, JSON records in $OUT (also copied to benchmarks/results/ of the device's
-# tree, which does not come back: copy them from the call's files), a summary table last.
+# $OUT/session.log (the tails of failed stages again in the summary, the Triton warm-up's shard
+# logs in $OUT/triton-warm-logs), a partial-STAGE.json for a stage stopped by its cap, the summary
+# as $OUT/stages-MODE.json (written on SIGTERM too), JSON records in $OUT (also copied to
+# benchmarks/results/ of the device's tree, which does not come back: copy them from the call's
+# files), a summary table last.
 # Environment: OUT (the device tool sets it), ACCUMKERNELS_GIT_COMMIT (the commit, recorded in
 # every JSON; the device's tree has no git), PY (default python3), AK_BUDGET.
 set -u -o pipefail
@@ -57,6 +62,12 @@ SCALE=$([[ -n $CPU_MODE ]] && echo 3 || echo 1)
 if [[ $MODE == first ]]; then BUDGET=${AK_BUDGET:-$((450 * SCALE))}; else BUDGET=${AK_BUDGET:-540}; fi
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/ak-triton-cache}
 STAGES=/tmp/ak-stages
+KILL_AFTER=5  # seconds between a stage's SIGTERM at its cap and its SIGKILL
+# first's stages in order, NAME:CAP in GPU seconds; worst case sum(caps) + 9 x KILL_AFTER +
+# FIRST_SUMMARY_S must fit the 450 s budget (tests/test_gpu_session_tools.py checks it)
+FIRST_PLAN="env:20 build:85 triton-warm:55 pytest-master:35 bench-headline:60 \
+bench-step-master:40 pytest-kernels:40 sanitize-memcheck:35 sanitize-memcheck-master:30"
+FIRST_SUMMARY_S=5
 mkdir -p "$OUT" "$STAGES" benchmarks/results
 export PYTHONUNBUFFERED=1 ACCUMKERNELS_GIT_COMMIT=${ACCUMKERNELS_GIT_COMMIT:-}
 SUMMARY=()
@@ -80,15 +91,45 @@ stage() {
   echo "=== $name (limit ${limit}s, at ${SECONDS}s) $(date -u +%H:%M:%S)"
   local t0=$SECONDS
   if declare -F "$1" >/dev/null; then  # a function of this script (exported below)
-    timeout --kill-after=15 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee "$STAGES/$name.log"
+    timeout --kill-after=$KILL_AFTER "$limit" bash -c '"$@"' _ "$@" 2>&1 \
+      | tee "$STAGES/$name.log"
   else
-    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$STAGES/$name.log"
+    timeout --kill-after=$KILL_AFTER "$limit" "$@" 2>&1 | tee "$STAGES/$name.log"
   fi
   local rc=${PIPESTATUS[0]}
   local note
   note=$(stage_note "$name" "$rc" "$limit")
   SUMMARY+=("$name|$rc|$((SECONDS - t0))|$note")
+  if ((rc == 124 || rc == 137)); then partial_json "$name" "$rc" "$limit" "$((SECONDS - t0))"; fi
   return 0
+}
+
+# $OUT/partial-NAME.json: what is known of a stage its cap stopped (its own JSON, if it writes
+# one, may be missing or partial): the limit, the time, the tail of its log.
+partial_json() {
+  tail -n 20 "$STAGES/$1.log" 2>/dev/null | "$PY" -c '
+import json, sys
+json.dump({"stage": sys.argv[1], "rc": int(sys.argv[2]), "limit": int(sys.argv[3]),
+           "seconds": int(sys.argv[4]), "partial": "stopped at its cap",
+           "log_tail": sys.stdin.read().splitlines()}, open(sys.argv[5], "w"), indent=1)' \
+    "$1" "$2" "$3" "$4" "$OUT/partial-$1.json" || true
+}
+
+# cap NAME: the stage's cap in first's plan
+cap() {
+  local entry
+  for entry in $FIRST_PLAN; do
+    [[ ${entry%%:*} == "$1" ]] && echo "${entry##*:}" && return 0
+  done
+  echo "gpu_session.sh: no cap for $1 in FIRST_PLAN" >&2
+  echo 30
+}
+
+# The worst case of first's plan: every stage to its cap, then its kill grace, then the summary.
+plan_worst_case() {
+  local entry sum=0 n=0
+  for entry in $FIRST_PLAN; do sum=$((sum + ${entry##*:})); n=$((n + 1)); done
+  echo "$((sum + n * KILL_AFTER + FIRST_SUMMARY_S))"
 }
 
 # One line saying how a stage went, read from its log.
@@ -222,32 +263,36 @@ run_first() {
   # skip) go through the stages
   [[ -n $CPU_MODE ]] && quick=(--quick) && dev=(--device cpu) && sizes=(--flat-numel 1M) \
     && only=(-m gpu)
-  stage build 120 stage_build_first
-  stage triton-warm 100 "$PY" -m benchmarks.triton_warm --jobs "$JOBS" --with-sanitize-cases \
-    --pytest-args "${only[*]}" --out "$OUT/triton-warm.json" tests/op/test_master_step_gpu.py \
-    "${FIRST_KERNEL_TESTS[@]}"
-  stage pytest-master 60 "$PY" -m pytest -q -ra -p no:cacheprovider "${only[@]}" \
-    tests/op/test_master_step_gpu.py
-  stage pytest-kernels 90 "$PY" -m pytest -q -ra -p no:cacheprovider "${only[@]}" \
-    "${FIRST_KERNEL_TESTS[@]}"
+  echo "first: plan $FIRST_PLAN; worst case $(plan_worst_case) s (GPU seconds) of 450"
+  stage build "$(cap build)" stage_build_first
+  stage triton-warm "$(cap triton-warm)" "$PY" -m benchmarks.triton_warm --jobs "$JOBS" \
+    --with-sanitize-cases --pytest-args "${only[*]}" --out "$OUT/triton-warm.json" \
+    --logs "$OUT/triton-warm-logs" tests/op/test_master_step_gpu.py "${FIRST_KERNEL_TESTS[@]}"
+  stage pytest-master "$(cap pytest-master)" "$PY" -m pytest -q -ra -p no:cacheprovider \
+    "${only[@]}" tests/op/test_master_step_gpu.py
+  # the benchmarks before the kernel tests and the memchecks: a long early stage cuts those
+  local providers=accumkernels:cuda,accumkernels:triton,loop_literal,loop_add,foreach
+  [[ -n $CPU_MODE ]] && providers=accumkernels:cpu,loop_literal,loop_add,foreach
+  stage bench-headline "$(cap bench-headline)" "$PY" -m benchmarks.accumbench "${dev[@]}" \
+    "${quick[@]}" --dtypes bf16 --workloads flat,gpt2 "${sizes[@]}" --providers "$providers" \
+    --no-plot --out "$(bench_out -first)"
+  stage bench-step-master "$(cap bench-step-master)" "$PY" -m benchmarks.accumbench step \
+    "${dev[@]}" "${quick[@]}" --variants sum,clip --out "$OUT/step-$SLUG-$DATE-first.json"
+  stage pytest-kernels "$(cap pytest-kernels)" "$PY" -m pytest -q -ra -p no:cacheprovider \
+    "${only[@]}" "${FIRST_KERNEL_TESTS[@]}"
   local cs
   cs=$(sanitizer_path)
   if [[ -z $cs || -n $CPU_MODE ]]; then
     SUMMARY+=("sanitize-memcheck|-|0|skipped: no compute-sanitizer or no GPU")
   else
-    stage sanitize-memcheck 50 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$cs" --tool memcheck \
-      --kernel-name kns=accumulate --print-limit 20 --error-exitcode 9 \
+    # caching off for both: out-of-bounds accesses inside a pooled block are invisible to it
+    stage sanitize-memcheck "$(cap sanitize-memcheck)" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+      "$cs" --tool memcheck --kernel-name kns=accumulate --print-limit 20 --error-exitcode 9 \
       "$PY" -m benchmarks.sanitize_cases --kernels accumulate
-    stage sanitize-memcheck-master 50 "$cs" --tool memcheck --kernel-name kns=master_step \
+    stage sanitize-memcheck-master "$(cap sanitize-memcheck-master)" \
+      env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$cs" --tool memcheck --kernel-name kns=master_step \
       --print-limit 20 --error-exitcode 9 "$PY" -m benchmarks.sanitize_cases --kernels master
   fi
-  local providers=accumkernels:cuda,accumkernels:triton,loop_literal,loop_add,foreach
-  [[ -n $CPU_MODE ]] && providers=accumkernels:cpu,loop_literal,loop_add,foreach
-  stage bench-headline 70 "$PY" -m benchmarks.accumbench "${dev[@]}" "${quick[@]}" \
-    --dtypes bf16 --workloads flat,gpt2 "${sizes[@]}" --providers "$providers" --no-plot \
-    --out "$(bench_out -first)"
-  stage bench-step-master 50 "$PY" -m benchmarks.accumbench step "${dev[@]}" "${quick[@]}" \
-    --variants sum,clip --out "$OUT/step-$SLUG-$DATE-first.json"
   [[ -z $CPU_MODE ]] && keep "$(bench_out -first)" "$OUT/step-$SLUG-$DATE-first.json" \
     "$OUT/triton-warm.json"
   return 0
@@ -287,6 +332,7 @@ for x in r["rows"]:
 EOF
   done
   stages_json
+  fold_failed_tails
   echo "files in \$OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
   echo
   echo "=== summary: mode $MODE, budget ${BUDGET}s, $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), commit ${ACCUMKERNELS_GIT_COMMIT:-unknown}, ${SECONDS}s"
@@ -295,6 +341,17 @@ EOF
   for line in "${SUMMARY[@]}"; do
     IFS='|' read -r n rc s note <<<"$line"
     printf '%-28s %4s %6s  %s\n' "$n" "$rc" "$s" "${note:0:110}"
+  done
+}
+
+# The last lines of every stage that failed or timed out (its full output is above).
+fold_failed_tails() {
+  local line n rc
+  for line in "${SUMMARY[@]}"; do
+    IFS='|' read -r n rc _ <<<"$line"
+    [[ $rc == 0 || $rc == - || ! -f $STAGES/$n.log ]] && continue
+    echo "--- $n (rc $rc): last lines"
+    tail -n 8 "$STAGES/$n.log" | cut -c1-200
   done
 }
 
@@ -313,8 +370,10 @@ export PY JOBS CPU_MODE
 export -f stage_env stage_build stage_build_first sanitizer_path
 
 main() {
+  # stopped from outside (the device tool's limit): the summary so far, as JSON too
+  trap 'SUMMARY+=("interrupted|143|$SECONDS|SIGTERM at ${SECONDS}s"); stages_json; exit 143' TERM
   echo "gpu_session.sh $MODE: budget ${BUDGET}s, out $OUT, $(date -u)"
-  stage env 60 stage_env
+  stage env "$(cap env)" stage_env  # nvidia-smi twice, torch and triton imported: ~10 s
   SLUG=$("$PY" -c "import torch; from benchmarks.accumbench.env import slugify; print(slugify(torch.cuda.get_device_name(0)))" 2>/dev/null || echo unknown-gpu)
   case $MODE in
     first)

@@ -118,7 +118,8 @@ def triton_variants(arch: str, block: int | None, warps: int | None, tail: int |
                 try:
                     kernel = triton.compile(ASTSource(fn, signature, constants, attrs),
                                             target=GPUTarget("cuda", int(arch), 32),
-                                            options={"num_warps": warps})
+                                            options={"num_warps": warps,
+                                                     "enable_fp_fusion": tb.FP_FUSION})
                 except Exception as exc:  # reported as "cannot compile here"
                     raise CannotCompile(f"triton.compile failed: {type(exc).__name__}: "
                                         f"{str(exc)[:300]}") from exc

@@ -83,7 +83,8 @@ std::string cuda_prepare(int device, bool load_kernels);
 
 // For tests, in every build: the CUDA kernel's code and launch marshalling run on the CPU
 // (accumulate_cuda_host.cpp); pointers in `args` are host addresses. The emulated device has
-// `sm_count` SMs and, with `capturing`, behaves as if the stream were being captured.
+// `sm_count` SMs; `capturing` says whether its stream counts as captured, which no launch depends
+// on (long lists launch as parameter-table groups either way; the tests check both).
 void accumulate_cuda_host(const AccumulateArgs& args);
 void cuda_host_configure(int sm_count, bool capturing);
 // The last call's launches, one line each: table kind, grid, chunks, tensors.

@@ -6,9 +6,10 @@
 //    pointers, numel, dtype and the index of its first chunk (a prefix sum);
 //  * the table is a __grid_constant__ kernel parameter (up to kMaxParamTensors tensors: CUDA
 //    12.1+ allows 32764 bytes of parameters on Volta+, and a parameter keeps the launch CUDA-
-//    graph capturable); longer lists put it in stream-ordered device memory instead;
+//    graph capturable); longer lists launch once per such table (no host-to-device table copy,
+//    which from pageable memory may stall the host);
 //  * a persistent grid (SMs x kBlocksPerSM blocks) strides over chunks, each chunk finding its
-//    tensor by binary search over the prefix sums, so any list is one launch;
+//    tensor by binary search over the prefix sums, so any table is one launch;
 //  * the dtype branch is uniform per chunk; aligned chunks use 16-byte loads/stores
 //    (8 bf16/fp16 -> 2 x float4), unaligned tensors and tails a scalar loop;
 //  * norm_sq (the kNorm instantiations, so calls without it run the unchanged kernel): a first
@@ -54,7 +55,6 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSM)
 using cuda_util::check;
 using cuda_util::DeviceGuard;
 using cuda_util::sm_count;
-using cuda_util::stream_is_capturing;
 
 // launch_entries' Launcher (accumulate_kernel.h): real launches on `stream` of `device`.
 struct CudaLauncher {
@@ -62,15 +62,10 @@ struct CudaLauncher {
   int device;
 
   int64_t max_grid() const { return int64_t{sm_count(device)} * kBlocksPerSM; }
-  bool capturing() const { return stream_is_capturing(stream); }
   template <class Table, bool kOverwrite, bool kNorm>
   void run(const Table& table, const LaunchArgs& args, unsigned grid) {
     accumulate_kernel<Table, kOverwrite, kNorm><<<grid, kBlockThreads, 0, stream>>>(table, args);
     check(cudaGetLastError(), "accumulate kernel launch");
-  }
-  template <class F>
-  void with_table_copy(const TensorEntry* entries, size_t n, F launch_with) {
-    cuda_util::with_table_copy(stream, entries, n, launch_with, "tensor table");
   }
 };
 
@@ -129,8 +124,7 @@ std::string cuda_prepare(int device, bool load_kernels) {
     // Every instantiation, so that no kernel is first loaded inside a CUDA-graph capture.
     const cudaError_t loads[] = {load_table_kernels<ParamTable<64>>(),
                                  load_table_kernels<ParamTable<256>>(),
-                                 load_table_kernels<ParamTable<kMaxParamTensors>>(),
-                                 load_table_kernels<DeviceTable>()};
+                                 load_table_kernels<ParamTable<kMaxParamTensors>>()};
     for (const cudaError_t e : loads) {
       if (e != cudaSuccess) {
         (void)cudaGetLastError();

@@ -19,7 +19,6 @@ namespace accumkernels {
 namespace {
 
 std::atomic<int> g_sm_count{132};  // H100 SXM; tests vary it to move the grid-stride boundary
-std::atomic<bool> g_capturing{false};
 std::mutex g_log_mutex;
 std::vector<std::string> g_log;  // the last call's launches, e.g. "param256 grid=8 chunks=20"
 
@@ -27,14 +26,12 @@ template <int kCap>
 std::string table_name(const ParamTable<kCap>&) {
   return "param" + std::to_string(kCap);
 }
-std::string table_name(const DeviceTable&) { return "device"; }
 
 // launch_entries' Launcher: plays each launch on the calling thread.
 struct HostLauncher {
   std::vector<std::string> log;
 
   int64_t max_grid() const { return int64_t{g_sm_count.load()} * kBlocksPerSM; }
-  bool capturing() const { return g_capturing.load(); }
   template <class Table, bool kOverwrite, bool kNorm>
   void run(const Table& table, const LaunchArgs& args, unsigned grid) {
     log.push_back(std::string(args.zero_norm ? "zero_norm " : "") + table_name(table) +
@@ -49,12 +46,6 @@ struct HostLauncher {
           after_barrier(args, block_bad, thread);
     }
   }
-  // The "device" table: a separate copy, freed after the launch, like the CUDA path's.
-  template <class F>
-  void with_table_copy(const TensorEntry* entries, size_t n, F launch_with) {
-    const std::vector<TensorEntry> copy(entries, entries + n);
-    launch_with(copy.data());
-  }
 };
 
 }  // namespace
@@ -67,10 +58,9 @@ void accumulate_cuda_host(const AccumulateArgs& a) {
   g_log.swap(launcher.log);
 }
 
-void cuda_host_configure(int sm_count, bool capturing) {
+void cuda_host_configure(int sm_count, bool /*capturing*/) {
   if (sm_count < 1) throw std::invalid_argument("cuda_host: sm_count must be >= 1");
   g_sm_count.store(sm_count);
-  g_capturing.store(capturing);
 }
 
 std::vector<std::string> cuda_host_launches() {

@@ -197,11 +197,6 @@ struct ParamTable {
 };
 static_assert(sizeof(ParamTable<kMaxParamTensors>) + 64 <= 32764, "kernel parameters too big");
 
-struct DeviceTable {  // same interface, entries in device memory
-  int32_t num_tensors;
-  const TensorEntry* t;
-};
-
 struct LaunchArgs {
   int64_t num_chunks;
   float scale;             // used when scale_ptr is null
@@ -309,7 +304,7 @@ AK_HD void add_norm(float* slot, float sq, unsigned thread) {
 // the grid-stride loop; returns the thread's bad flag (the kernel ORs it over the block).
 // kNorm: each thread sums the squares it writes in a chunk, and after the chunk (a block-uniform
 // point) its warp adds them to the tensor's slot. (Carrying the sum over a block's consecutive
-// chunks of one tensor saves atomics but costs the DeviceTable kernel a 24-byte spill.)
+// chunks of one tensor saves atomics but cost a table-in-device-memory kernel a 24-byte spill.)
 template <class Table, bool kOverwrite, bool kNorm>
 AK_HD bool accumulate_thread(const Table& table, const LaunchArgs& args, unsigned block,
                              unsigned thread, unsigned grid) {
@@ -369,11 +364,9 @@ AK_HD void after_barrier(const LaunchArgs& args, bool block_bad, unsigned thread
 
 // ---- launch marshalling (host side of both builds) ---------------------------------------------
 //
-// A Launcher provides: int64_t max_grid(); bool capturing();
+// A Launcher provides: int64_t max_grid();
 // template <class Table, bool kOverwrite, bool kNorm>
 //   void run(const Table&, const LaunchArgs&, unsigned grid);
-// template <class F> void with_table_copy(const TensorEntry*, size_t n, F launch): copies the
-// entries where the kernel can read them and calls launch(const TensorEntry* copy).
 
 template <class Table, bool kNorm, class Launcher>
 void launch_kind(const Table& table, const LaunchArgs& args, bool overwrite, Launcher& launcher) {
@@ -450,31 +443,19 @@ inline std::vector<TensorEntry> make_entries(const AccumulateArgs& a) {
   return entries;
 }
 
-// One call: tables of up to kMaxParamTensors as a kernel parameter, longer lists in a copied
-// table (or, while a stream is captured, as parameter-table groups).
+// One call: parameter tables of up to kMaxParamTensors entries, one launch (two with norm_sq)
+// per table. Longer lists go as several tables, captured or not: a table in device memory would
+// need a host-to-device copy per call, which from pageable memory may stall the host until the
+// stream drains. The launches are stream-ordered, each pair is independent and each norm slot
+// belongs to one entry, so the groups give the same result as one launch.
 template <class Launcher>
 void launch_entries(std::vector<TensorEntry>& entries, const AccumulateArgs& a,
                     Launcher& launcher) {
   const LaunchArgs args{0, a.scale, a.scale_ptr, a.found_inf, a.norm_sq, false};
   const size_t n = entries.size();
-  if (n <= static_cast<size_t>(kMaxParamTensors)) {
-    launch_param_any(entries.data(), n, args, a.overwrite, launcher);
-    return;
-  }
-  if (launcher.capturing()) {
-    // A memcpy from pageable host memory cannot be captured (the graph would re-read freed
-    // host memory on replay): launch per group of kMaxParamTensors instead.
-    for (size_t i = 0; i < n; i += kMaxParamTensors)
-      launch_param_any(entries.data() + i, std::min<size_t>(kMaxParamTensors, n - i), args,
-                       a.overwrite, launcher);
-    return;
-  }
-  LaunchArgs dargs = args;
-  dargs.num_chunks = assign_chunks(entries.data(), n);
-  launcher.with_table_copy(entries.data(), n, [&](const TensorEntry* copy) {
-    const DeviceTable table{static_cast<int32_t>(n), copy};
-    launch(table, dargs, a.overwrite, launcher);
-  });
+  for (size_t i = 0; i < n; i += kMaxParamTensors)
+    launch_param_any(entries.data() + i, std::min<size_t>(kMaxParamTensors, n - i), args,
+                     a.overwrite, launcher);
 }
 
 }  // namespace

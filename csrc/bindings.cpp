@@ -366,7 +366,8 @@ PYBIND11_MODULE(_C, m) {
       "arguments, no threads).");
   m.def("cuda_host_configure", &ak::cuda_host_configure, py::arg("sm_count"),
         py::arg("capturing"),
-        "Tests only: the emulated device's SM count and whether its stream counts as captured.");
+        "Tests only: the emulated device's SM count and whether its stream counts as captured "
+        "(no launch depends on it).");
   m.def("cuda_host_launches", &ak::cuda_host_launches,
         "Tests only: the last emulated call's launches (table kind, grid, chunks, tensors).");
 

@@ -1,6 +1,5 @@
 // What the CUDA launch files (accumulate_cuda.cu, master_step_cuda.cu) share: error checks, the
-// current-device guard, the SM count, whether a stream is being captured, and the stream-ordered
-// copy of a launch table too long for a kernel parameter. Included by .cu files only.
+// current-device guard and the SM count. Included by .cu files only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,38 +48,6 @@ inline int sm_count(int device) {  // cached: cudaDeviceGetAttribute is cheap, b
         "cudaDeviceGetAttribute(MultiProcessorCount)");
   if (device >= 0 && device < kCached) cache[device].store(n, std::memory_order_relaxed);
   return n;
-}
-
-inline bool stream_is_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    (void)cudaGetLastError();  // e.g. the legacy stream during a global capture: play safe
-    return true;
-  }
-  return status != cudaStreamCaptureStatusNone;
-}
-
-// `launch_with(device_entries)` with the n entries copied to device memory allocated, filled and
-// freed in stream order (the host buffer is staged by cudaMemcpyAsync before it returns, so
-// `entries` may die afterwards). `what` names the table in errors.
-template <class Entry, class F>
-void with_table_copy(cudaStream_t stream, const Entry* entries, size_t n, F launch_with,
-                     const std::string& what) {
-  const size_t bytes = n * sizeof(Entry);
-  void* mem = nullptr;
-  check(cudaMallocAsync(&mem, bytes, stream), ("cudaMallocAsync(" + what + ")").c_str());
-  cudaError_t err = cudaMemcpyAsync(mem, entries, bytes, cudaMemcpyHostToDevice, stream);
-  if (err == cudaSuccess) {
-    try {
-      launch_with(static_cast<const Entry*>(mem));
-    } catch (...) {
-      cudaFreeAsync(mem, stream);
-      throw;
-    }
-  }
-  const cudaError_t free_err = cudaFreeAsync(mem, stream);
-  check(err, ("cudaMemcpyAsync(" + what + ")").c_str());
-  check(free_err, ("cudaFreeAsync(" + what + ")").c_str());
 }
 
 }  // namespace cuda_util

@@ -4,9 +4,9 @@
 // tensor is cut into kChunk-element chunks, a table holds each tensor's pointers, numel and first
 // chunk, and a persistent grid (SMs x kBlocksPerSM blocks) strides over the chunks, each finding
 // its tensor by binary search. The table is a __grid_constant__ kernel parameter up to
-// kMaxParamEntries tensors (CUDA-graph capturable); longer lists copy it to stream-ordered device
-// memory (or, while the stream is captured, launch per parameter table). found_inf, grad_scale, a
-// tensor lr and every tensor's step are read by the kernel: no host synchronisation.
+// kMaxParamEntries tensors (CUDA-graph capturable); longer lists launch once per such table, so no
+// call copies a table from host memory. found_inf, grad_scale, a tensor lr and every tensor's step
+// are read by the kernel: no host synchronisation.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -29,22 +29,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM)
 using cuda_util::check;
 using cuda_util::DeviceGuard;
 using cuda_util::sm_count;
-using cuda_util::stream_is_capturing;
 
 struct CudaLauncher {
   cudaStream_t stream;
   int device;
 
   int64_t max_grid() const { return int64_t{sm_count(device)} * kBlocksPerSM; }
-  bool capturing() const { return stream_is_capturing(stream); }
   template <int kAlgo, class W, class Table>
   void run(const Table& table, const LaunchArgs& args, unsigned grid) {
     master_step_kernel<kAlgo, W, Table><<<grid, kThreads, 0, stream>>>(table, args);
     check(cudaGetLastError(), "master step kernel launch");
-  }
-  template <class F>
-  void with_table_copy(const Entry* entries, size_t n, F launch_with) {
-    cuda_util::with_table_copy(stream, entries, n, launch_with, "master step table");
   }
 };
 
@@ -53,8 +47,7 @@ cudaError_t load_algo() {  // cudaFuncGetAttributes forces the lazy module load
   cudaFuncAttributes attr{};
   const cudaError_t loads[] = {
       cudaFuncGetAttributes(&attr, master_step_kernel<kAlgo, W, ParamTable<64>>),
-      cudaFuncGetAttributes(&attr, master_step_kernel<kAlgo, W, ParamTable<kMaxParamEntries>>),
-      cudaFuncGetAttributes(&attr, master_step_kernel<kAlgo, W, DeviceTable>)};
+      cudaFuncGetAttributes(&attr, master_step_kernel<kAlgo, W, ParamTable<kMaxParamEntries>>)};
   for (const cudaError_t e : loads)
     if (e != cudaSuccess) return e;
   return cudaSuccess;

@@ -26,7 +26,6 @@ namespace master_step {
 namespace {
 
 std::atomic<int> g_sm_count{132};  // H100 SXM; tests vary it to move the grid-stride boundary
-std::atomic<bool> g_capturing{false};
 std::mutex g_log_mutex;
 std::vector<std::string> g_log;  // the last call's launches
 
@@ -34,7 +33,6 @@ template <int kCap>
 std::string table_name(const ParamTable<kCap>&) {
   return "param" + std::to_string(kCap);
 }
-std::string table_name(const DeviceTable&) { return "device"; }
 std::string dtype_name(bf16_t) { return "bf16"; }
 std::string dtype_name(half_t) { return "fp16"; }
 
@@ -42,7 +40,6 @@ struct HostLauncher {
   std::vector<std::string> log;
 
   int64_t max_grid() const { return int64_t{g_sm_count.load()} * kBlocksPerSM; }
-  bool capturing() const { return g_capturing.load(); }
   template <int kAlgo, class W, class Table>
   void run(const Table& table, const LaunchArgs& args, unsigned grid) {
     log.push_back(dtype_name(W{}) + " " + table_name(table) + " grid=" + std::to_string(grid) +
@@ -51,11 +48,6 @@ struct HostLauncher {
     for (unsigned block = 0; block < grid; ++block)
       for (unsigned thread = 0; thread < kThreads; ++thread)
         step_thread<kAlgo, W>(table, args, block, thread, grid);
-  }
-  template <class F>
-  void with_table_copy(const Entry* entries, size_t n, F launch_with) {
-    const std::vector<Entry> copy(entries, entries + n);
-    launch_with(copy.data());
   }
 };
 
@@ -171,14 +163,13 @@ void bind_master_step_cuda(pybind11::module_& m) {
       "lists (masters, weights, grads, state0, state1, state2, steps; unused ones empty), "
       "scalars = (lr, beta1, beta2, weight_decay, eps, momentum, dampening).");
   m.def("master_step_cuda_host_configure",
-        [](int sm_count, bool capturing) {
+        [](int sm_count, bool /*capturing*/) {
           if (sm_count < 1) throw std::invalid_argument("sm_count must be >= 1");
           ms::g_sm_count.store(sm_count);
-          ms::g_capturing.store(capturing);
         },
         py::arg("sm_count"), py::arg("capturing"),
         "The emulated device of master_step_cuda_host: SM count and whether its stream counts as "
-        "captured.");
+        "captured (no launch depends on it).");
   m.def("master_step_cuda_host_launches",
         [] {
           const std::lock_guard<std::mutex> lock(ms::g_log_mutex);

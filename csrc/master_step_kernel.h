@@ -5,8 +5,11 @@
 //   3. the update of the master and its state, bit for bit as torch's own CUDA fused kernel
 //      computes it for an fp32 param (torch.optim.Adam/AdamW/SGD(fused=True));
 //   4. weight = round_to_nearest_even(master) (torch's weight.copy_(master)).
-// With found_inf given and nonzero nothing is written. Everything read from device memory
-// (found_inf, grad_scale, a tensor lr, each tensor's step): no host synchronisation.
+// With found_inf given and nonzero (NaN included) nothing is written, in every backend. torch's
+// fused kernels skip only on exactly 1.0: a GradScaler that sums found_inf over two devices (2.0)
+// makes them update with the non-finite gradients; here that step is skipped (the weights stay
+// finite), while the steps still drop by found_inf as torch's do. Everything read from device
+// memory (found_inf, grad_scale, a tensor lr, each tensor's step): no host synchronisation.
 //
 // Written once for two compilers, like accumulate_kernel.h (whose host stand-ins of CUDA's
 // vector and 16-bit types this file reuses): nvcc compiles it into master_step_cuda.cu, the host
@@ -258,11 +261,6 @@ struct ParamTable {
 };
 static_assert(sizeof(ParamTable<kMaxParamEntries>) + 160 <= 32764, "kernel parameters too big");
 
-struct DeviceTable {
-  int32_t num_tensors;
-  const Entry* t;
-};
-
 struct LaunchArgs {
   int64_t num_chunks;
   uint32_t flags;
@@ -469,9 +467,8 @@ AK_HD void step_thread(const Table& table, const LaunchArgs& a, unsigned block, 
 
 // ---- launch marshalling (host side of both builds) ---------------------------------------------
 //
-// A Launcher provides: int64_t max_grid(); bool capturing();
+// A Launcher provides: int64_t max_grid();
 // template <int kAlgo, class W, class Table> void run(const Table&, const LaunchArgs&, unsigned);
-// template <class F> void with_table_copy(const Entry*, size_t n, F launch).
 
 inline int64_t assign_chunks(Entry* e, size_t n) {
   int64_t chunks = 0;
@@ -508,29 +505,18 @@ void launch_param_any(int32_t algo, Entry* e, size_t n, const LaunchArgs& a, Lau
   else launch_param<kMaxParamEntries, W>(algo, e, n, a, launcher);
 }
 
-// One weight dtype's entries: one launch (a parameter table, or a copied table for long lists;
-// while a stream is captured, parameter tables of kMaxParamEntries each).
+// One weight dtype's entries: parameter tables of up to kMaxParamEntries each, one launch per
+// table. Always, not only while a stream is captured: a table in device memory would need a
+// host-to-device copy per call, which from pageable memory may stall the host until the stream
+// drains, and a pinned staging buffer would have to outlive the launch. The launches are
+// stream-ordered and each tensor's update is independent, so groups give the same result.
 template <class W, class Launcher>
 void launch_group(int32_t algo, std::vector<Entry>& entries, const LaunchArgs& a,
                   Launcher& launcher) {
   const size_t n = entries.size();
-  if (n == 0) return;
-  if (n <= static_cast<size_t>(kMaxParamEntries)) {
-    launch_param_any<W>(algo, entries.data(), n, a, launcher);
-    return;
-  }
-  if (launcher.capturing()) {  // a pageable-memory copy cannot be captured
-    for (size_t i = 0; i < n; i += kMaxParamEntries)
-      launch_param_any<W>(algo, entries.data() + i, std::min<size_t>(kMaxParamEntries, n - i), a,
-                          launcher);
-    return;
-  }
-  LaunchArgs da = a;
-  da.num_chunks = assign_chunks(entries.data(), n);
-  launcher.with_table_copy(entries.data(), n, [&](const Entry* copy) {
-    const DeviceTable table{static_cast<int32_t>(n), copy};
-    launch_table<W>(algo, table, da, launcher);
-  });
+  for (size_t i = 0; i < n; i += kMaxParamEntries)
+    launch_param_any<W>(algo, entries.data() + i, std::min<size_t>(kMaxParamEntries, n - i), a,
+                        launcher);
 }
 
 // The call's checks (memory safety: what the kernel dereferences) and its launches, one per

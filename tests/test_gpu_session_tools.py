@@ -4,9 +4,13 @@ so that a session's scarce device minutes are not spent on their bugs."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,15 +151,27 @@ def test_master_sanitize_cases_run_on_the_cpu():
 
 
 def test_triton_warm_shards_and_counts(tmp_path, monkeypatch):
-    """Shards deal every test id once; the compile count reads Triton's cache layout."""
+    """Shards deal every test id once, in order, in contiguous runs: a test function's
+    parametrisations (one kernel signature) stay in one shard unless it is longer than one and a
+    half shards; only the ids that launch Triton are kept; the compile count reads Triton's cache
+    layout."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from benchmarks import triton_warm
 
     ids = [f"t.py::test_{i}" for i in range(10)]
     parts = triton_warm.shards(ids, 4)
-    assert sorted(x for p in parts for x in p) == sorted(ids) and len(parts) == 4
+    assert [x for p in parts for x in p] == ids and len(parts) == 4
     assert triton_warm.shards(ids[:2], 16) == [[ids[0]], [ids[1]]]
+    assert triton_warm.shards([], 4) == []
+    params = [f"t.py::test_a[{k}]" for k in range(5)] + [f"t.py::test_b[{k}]" for k in range(5)]
+    parts = triton_warm.shards(params, 3)
+    assert [x for p in parts for x in p] == params
+    for part in parts:  # 10 ids over 3 shards: neither function is cut
+        assert len({x.split("[")[0] for x in part}) == 1, parts
+    assert triton_warm.matching(["a.py::t[cuda]", "a.py::t[triton]", "test_triton_x.py::u"],
+                                "triton") == ["a.py::t[triton]", "test_triton_x.py::u"]
+    assert triton_warm.matching(ids, "") == ids
     for key in ("a1", "b2"):
         (tmp_path / key).mkdir()
         (tmp_path / key / f"__grp__kernel_{key}.json").write_text("{}")
@@ -164,18 +180,76 @@ def test_triton_warm_shards_and_counts(tmp_path, monkeypatch):
     assert triton_warm.compiled_kernels(tmp_path / "missing") == 0
 
 
+def test_triton_warm_writes_a_partial_record_on_sigterm(tmp_path):
+    """A warm-up stopped by its stage's cap (SIGTERM) stops its shards and still writes its
+    record, marked partial, with the shards' logs where it was told (under $OUT)."""
+    tests = tmp_path / "test_sleepy_triton.py"
+    tests.write_text("import time\n\ndef test_triton_sleeps():\n    time.sleep(60)\n")
+    out, logs = tmp_path / "warm.json", tmp_path / "logs"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.triton_warm", "--jobs", "1",
+                             "--out", str(out), "--logs", str(logs), str(tests)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (logs / "job0.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 124, text
+    record = json.loads(out.read_text())
+    assert record["partial"].startswith("stopped by signal") and record["tests"] == 1, record
+    assert "partial record written" in text
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_first_mode_stage_plan():
-    """`first` runs its stages in the issue's order, every one under `stage` (a timeout), the
-    master step's GPU tests before the kernel tests, memcheck on both kernels' cases, and its
-    caps are set so that the planned times fit the 8 minutes (the budget is the bound)."""
+    """`first` runs its stages in order, every one under `stage` with its cap from FIRST_PLAN:
+    the master step's GPU tests first, then the benchmarks (not the stages a long early one
+    cuts), then the kernel tests and memcheck on both kernels' cases, both with the caching
+    allocator off (out-of-bounds accesses inside a pooled block are invisible otherwise). The
+    worst case, every stage to its cap and then killed, plus the summary, fits 450 s."""
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
     body = text[text.index("run_first() {"):text.index("bench_out() {")]
-    order = ["stage build ", "stage triton-warm ", "stage pytest-master ",
-             "stage pytest-kernels ", "stage sanitize-memcheck ", "stage sanitize-memcheck-master ",
-             "stage bench-headline ", "stage bench-step-master "]
-    at = [body.index(s) for s in order]
-    assert at == sorted(at), order
-    assert "kns=master_step" in body and "--kernels master" in body
+    plan_line = re.search(r'FIRST_PLAN="([^"]*)"', text).group(1).replace("\\\n", " ")
+    plan = [(e.split(":")[0], int(e.split(":")[1])) for e in plan_line.split()]
+    names = [n for n, _ in plan]
+    assert names == ["env", "build", "triton-warm", "pytest-master", "bench-headline",
+                     "bench-step-master", "pytest-kernels", "sanitize-memcheck",
+                     "sanitize-memcheck-master"]
+    at = [body.index(f'stage {n} "$(cap {n})"') for n in names[1:]]
+    assert at == sorted(at), names
+    assert 'stage env "$(cap env)"' in text
+    kill_after = int(re.search(r"^KILL_AFTER=(\d+)", text, re.M).group(1))
+    summary_s = int(re.search(r"^FIRST_SUMMARY_S=(\d+)", text, re.M).group(1))
+    assert "--kill-after=$KILL_AFTER" in text and "--kill-after=15" not in text
+    worst = sum(c for _, c in plan) + len(plan) * kill_after + summary_s
+    assert worst <= 450, (worst, plan)
+    assert re.search(rf"worst case.*\n?.*= {worst} s", text), "the header's worst case is stale"
+    for kernels in ("accumulate", "master_step"):
+        start = body.index(f"kns={kernels}")
+        stage_start = body.rindex("stage sanitize-memcheck", 0, start)
+        assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in body[stage_start:start], kernels
+    assert '--logs "$OUT/triton-warm-logs"' in body
     assert "BUDGET=${AK_BUDGET:-$((450 * SCALE))}" in text  # 7.5 minutes on the GPU
     assert "first)\n      run_first" in text
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_stage_timeout_writes_a_partial_json(tmp_path):
+    """A stage stopped by its cap leaves $OUT/partial-NAME.json with its log's tail, and the
+    summary folds the tails of failed stages into the session log."""
+    text = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    funcs = text[text.index("# stage NAME CAP_SECONDS"):text.index("stage_env() {")]
+    helpers = text[text.index("# The last lines of every stage"):text.index("# $OUT/stages-MODE")]
+    script = tmp_path / "s.sh"
+    script.write_text("set -u\nSCALE=1 BUDGET=100 KILL_AFTER=1 SUMMARY=() PY=" + sys.executable
+                      + f" OUT={tmp_path} STAGES={tmp_path}\n" + funcs + helpers
+                      + "stage slow 1 bash -c 'echo started; sleep 30'\n"
+                      + "stage fails 5 bash -c 'echo broken; exit 3'\nfold_failed_tails\n")
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    record = json.loads((tmp_path / "partial-slow.json").read_text())
+    assert record["rc"] == 124 and record["log_tail"] == ["started"], record
+    assert not (tmp_path / "partial-fails.json").exists()
+    assert "--- fails (rc 3): last lines\nbroken" in proc.stdout, proc.stdout

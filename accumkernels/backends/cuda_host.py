@@ -42,7 +42,8 @@ def accumulate(
 
 def configure(sm_count: int = 132, capturing: bool = False) -> None:
     """The emulated device: its SM count (the grid is 4 blocks per SM, at most one per chunk) and
-    whether its stream counts as captured (lists over 1000 tensors then launch in groups)."""
+    whether its stream counts as captured (no launch depends on it: lists over 1000 tensors
+    launch in groups either way)."""
     native._C.cuda_host_configure(sm_count, capturing)
 
 

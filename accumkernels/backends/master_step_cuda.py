@@ -158,7 +158,8 @@ def sgd_host(*lists, **kw) -> None:
 
 def configure_host(sm_count: int = 132, capturing: bool = False) -> None:
     """The emulated device of ``*_host``: its SM count (grid = 3 blocks per SM, at most one per
-    chunk) and whether its stream counts as captured (long lists then launch in groups)."""
+    chunk) and whether its stream counts as captured (no launch depends on it: lists over 400
+    tensors launch in groups either way)."""
     _c().master_step_cuda_host_configure(sm_count, capturing)
 
 

@@ -1,6 +1,9 @@
 """Backend ``"torch"`` of the fused master step, in plain torch ops: the readable definition.
 
-Per tensor, when ``found_inf`` is absent or zero (otherwise nothing is written):
+Per tensor, when ``found_inf`` is absent or zero (otherwise nothing is written: any nonzero value,
+NaN included, in every backend; torch's fused kernels skip only on exactly 1.0, so a GradScaler
+flag summed over two devices, 2.0, makes torch step with non-finite gradients where this skips;
+the steps still move as torch's, +1 then -found_inf):
 
 1. the fp32 master takes its bf16/fp16 weight where ``weight != master.to(weight.dtype)`` (a
    weight the user wrote; NaN differs);
@@ -224,6 +227,17 @@ def _prepare_on_device(masters, weights, grads, grad_scale, found_inf, write_gra
     return grads, skip, flag
 
 
+def _lr_on_device(lr, device: torch.device):
+    """lr as torch's fused op for ``device`` must get it: a tensor on another device as a number
+    (as the cuda backend reads it), a tensor on the device as float32, the dtype its CUDA kernels
+    read it as (``*(const float*)``: a float64 or bf16 lr would be read as the wrong bytes)."""
+    if not isinstance(lr, torch.Tensor):
+        return lr
+    if lr.device != device:
+        return lr.item()
+    return lr if lr.dtype == torch.float32 else lr.to(torch.float32)
+
+
 def _copy_back_on_device(masters, weights, skip) -> None:
     if skip is None:
         torch._foreach_copy_(weights, masters)
@@ -237,8 +251,7 @@ def _adam_on_device(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_
                     adamw, grad_scale, found_inf, write_grad) -> None:
     grads, skip, flag = _prepare_on_device(masters, weights, grads, grad_scale, found_inf,
                                            write_grad)
-    if isinstance(lr, torch.Tensor) and lr.device != masters[0].device:
-        lr = lr.item()
+    lr = _lr_on_device(lr, masters[0].device)
     op = torch._fused_adamw_ if adamw else torch._fused_adam_
     op(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], state_steps,
        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
@@ -251,8 +264,7 @@ def _sgd_on_device(masters, weights, grads, momentum_buffers, *, lr, momentum, d
                    write_grad) -> None:
     grads, skip, flag = _prepare_on_device(masters, weights, grads, grad_scale, found_inf,
                                            write_grad)
-    if isinstance(lr, torch.Tensor) and lr.device != masters[0].device:
-        lr = lr.item()
+    lr = _lr_on_device(lr, masters[0].device)
     torch._fused_sgd_(masters, grads, [] if momentum == 0 else momentum_buffers,
                       weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                       nesterov=nesterov, maximize=maximize, is_first_step=is_first_step,

@@ -193,7 +193,7 @@ if triton is not None:
         # (w_base: the weights as int16); array i of list X is at X_base + table[X, i]
         lr_ptr,  # the lr (any float dtype, read as float32 like torch's), when LR_FROM_PTR
         scale_ptr,  # float32*: grad_scale, when HAS_SCALE
-        found_inf_ptr,  # float32*: nonzero -> nothing written, when HAS_FOUND_INF
+        found_inf_ptr,  # float32*: nonzero (2.0 too, unlike torch) -> nothing written
         ALGO: tl.constexpr, BF16: tl.constexpr, HAS_SCALE: tl.constexpr,
         STORE_GRAD: tl.constexpr, LR_FROM_PTR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
         MAXIMIZE: tl.constexpr, ADAMW: tl.constexpr, AMSGRAD: tl.constexpr,

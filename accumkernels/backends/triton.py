@@ -9,7 +9,9 @@ take the masked path. Runs on CUDA tensors (launched on their device, on its cur
 and on CPU tensors under ``TRITON_INTERPRET=1`` (tests only). With ``norm_sq`` the table gets a
 sixth row (each tensor's norm slot), the launch's slots are zeroed (``index_fill_``, one small
 launch) and each program atomically adds its block's sum of squares (``_accumulate_norm_kernel``;
-the plain kernel is unchanged).
+the plain kernel is unchanged). ``resync_masters_`` uses the same table and the same two paths.
+Launches pass ``enable_fp_fusion=False``: the one multiply-add is an explicit ``tl.fma``, as the
+CUDA kernel's ``fmaf``, so both backends give the same bits whatever Triton's default.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ TAIL = 512  # elements per step of the masked path (see the kernel)
 # own layout (no shared memory, 32-35 registers). A tuning knob: see benchmarks/NOTES.md.
 HALF_SRC_VEC = 8
 ALIGN = 16  # bytes: one 128-bit access
+# Every launch names its contraction setting (Triton's default changes in 3.10): off, so the only
+# FMAs are the kernel's explicit tl.fma and the bits do not depend on the Triton version.
+FP_FUSION = False
 
 # Pointer tables of launches captured in CUDA graphs. A captured launch re-reads its table on
 # every replay, and its host-to-device copy re-reads the pinned host buffer, so both must live
@@ -74,12 +79,14 @@ if triton is not None:
             x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         else:
             x = tl.load(x_ptrs).to(tl.float32)
+        # An explicit fma (one rounding), as the CUDA kernel's fmaf: not left to Triton's
+        # contraction, which the launches turn off (FP_FUSION) and Triton 3.10 turns off anyway.
         if OVERWRITE:
             y = x * s
         elif MASKED:
-            y = tl.load(d_ptrs, mask=mask) + x * s
+            y = tl.fma(x, s, tl.load(d_ptrs, mask=mask))
         else:
-            y = tl.load(d_ptrs) + x * s
+            y = tl.fma(x, s, tl.load(d_ptrs))
         if MASKED:
             tl.store(d_ptrs, y, mask=mask)
         else:
@@ -196,20 +203,15 @@ if triton is not None:
 
 
     @triton.jit
-    def _resync_kernel(table_ptr, n_tensors, m_base, w_base, SEARCH_STEPS: tl.constexpr,
-                       BF16: tl.constexpr, BLOCK: tl.constexpr):
-        """One program: a block of one (fp32 master, bf16/fp16 weight) pair; the master takes
-        the weight where the weight differs from the master rounded to its dtype."""
-        pid = tl.program_id(0)
-        lo = _find_tensor(table_ptr, n_tensors, pid, SEARCH_STEPS)
-        m_off = tl.load(table_ptr + lo)
-        w_off = tl.load(table_ptr + n_tensors + lo)
-        numel = tl.load(table_ptr + 2 * n_tensors + lo)
-        first_block = tl.load(table_ptr + 3 * n_tensors + lo)
-        offsets = (pid - first_block).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < numel
-        m = tl.load(m_base + m_off + offsets, mask=inside, other=0.0)
-        w = tl.load(w_base + w_off + offsets, mask=inside, other=0.0)
+    def _resync_block(m_ptrs, w_ptrs, mask, MASKED: tl.constexpr, BF16: tl.constexpr):
+        """The masters at ``m_ptrs`` take the weights at ``w_ptrs`` where they differ from the
+        master rounded to the weight dtype (MASKED: only the lanes in ``mask``)."""
+        if MASKED:
+            m = tl.load(m_ptrs, mask=mask, other=0.0)
+            w = tl.load(w_ptrs, mask=mask, other=0.0)
+        else:
+            m = tl.load(m_ptrs)
+            w = tl.load(w_ptrs)
         if BF16:  # in integer arithmetic, exact everywhere (the interpreter's casts are not)
             u = m.to(tl.uint32, bitcast=True)
             r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000  # nearest even, as torch
@@ -219,7 +221,43 @@ if triton is not None:
         else:
             rounded = m.to(tl.float16).to(tl.float32)  # nearest even, as torch
             wide = w.to(tl.float32)
-        tl.store(m_base + m_off + offsets, wide, mask=inside & (wide != rounded))
+        # Written only where the weight differs (a store per lane: the loads carry the bandwidth).
+        taken = wide != rounded
+        if MASKED:
+            taken = taken & mask
+        tl.store(m_ptrs, wide, mask=taken)
+
+    @triton.jit
+    def _resync_kernel(
+        table_ptr,  # int64 [5, n_tensors]: master offset, weight offset (elements from the
+        # bases), numel, first block id, 1 if both pointers are 16-byte aligned (else 0)
+        n_tensors,  # number of pairs in the table
+        m_base,  # float32*: a master of this launch (16-byte aligned if any is)
+        w_base,  # bf16/fp16*: a weight of this launch, the same
+        SEARCH_STEPS: tl.constexpr,  # ceil(log2(n_tensors)): binary-search iterations
+        BF16: tl.constexpr,  # weights are bf16 (else fp16)
+        BLOCK: tl.constexpr,
+    ):
+        """One program: a block of one (fp32 master, bf16/fp16 weight) pair; the master takes
+        the weight where the weight differs from the master rounded to its dtype. A full block
+        of an aligned pair takes the hinted, unmasked path: 16-byte loads of both."""
+        pid = tl.program_id(0)
+        lo = _find_tensor(table_ptr, n_tensors, pid, SEARCH_STEPS)
+        m_off = tl.load(table_ptr + lo)
+        w_off = tl.load(table_ptr + n_tensors + lo)
+        numel = tl.load(table_ptr + 2 * n_tensors + lo)
+        first_block = tl.load(table_ptr + 3 * n_tensors + lo)
+        aligned = tl.load(table_ptr + 4 * n_tensors + lo)
+        start = (pid - first_block).to(tl.int64) * BLOCK
+        lanes = tl.arange(0, BLOCK)
+        if (aligned != 0) & (start + BLOCK <= numel):
+            m_first = tl.multiple_of(m_off + start, 4)  # 4 fp32 = 16 bytes
+            w_first = tl.multiple_of(w_off + start, 8)  # 8 bf16/fp16 = 16 bytes
+            _resync_block(m_base + m_first + lanes, w_base + w_first + lanes, None, False, BF16)
+        else:  # the last block of a pair, or a view at an unaligned address
+            offsets = start + lanes
+            _resync_block(m_base + m_off + offsets, w_base + w_off + offsets, offsets < numel,
+                          True, BF16)
 
 
 def resync_masters(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
@@ -232,12 +270,11 @@ def resync_masters(masters: list[torch.Tensor], weights: list[torch.Tensor]) -> 
     rows, b_m, b_w, total = _table(pairs, block)
     device = pairs[0][0].device
     with on_device(device):
-        table = upload_table(torch.tensor(rows[:4], dtype=torch.int64), device,
-                             "resync_masters_")
+        table = upload_table(torch.tensor(rows, dtype=torch.int64), device, "resync_masters_")
         _resync_kernel[(total,)](table, len(pairs), pairs[b_m][0], pairs[b_w][1],
                                  SEARCH_STEPS=max(1, (len(pairs) - 1).bit_length()),
                                  BF16=pairs[0][1].dtype == torch.bfloat16, BLOCK=block,
-                                 num_warps=NUM_WARPS)
+                                 num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
 
 
 def _capturing_graph():
@@ -364,6 +401,7 @@ def _launch(dst, src, scale, scale_tensor, overwrite, found_inf, norm_sq, slots)
             BLOCK=block,
             TAIL=min(TAIL, block),
             num_warps=NUM_WARPS,
+            enable_fp_fusion=FP_FUSION,
         )
 
 

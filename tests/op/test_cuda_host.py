@@ -4,11 +4,12 @@ tensor they create surrounded by poisoned guard bytes that must be untouched aft
 
 csrc/accumulate_kernel.h is compiled twice: by nvcc into the GPU kernel and by the host compiler
 into a driver that plays each launch block by block, thread by thread
-(csrc/accumulate_cuda_host.cpp), after the same table building (parameter tables of 64/256/1000 entries, a copied table beyond,
-groups of 1000 while captured). So these tests execute the kernel's chunking, table search,
-aligned 16-byte path, scalar tail, overwrite, scale pointer and found_inf reduction, and the
-launch marshalling, on every CI run. The guards are NaN: an out-of-bounds write changes them, an
-out-of-bounds read of src raises found_inf or puts a NaN where the reference has none.
+(csrc/accumulate_cuda_host.cpp), after the same table building (parameter tables of 64/256/1000
+entries, longer lists as groups of 1000, captured or not). So these tests execute the kernel's
+chunking, table search, aligned 16-byte path, scalar tail, overwrite, scale pointer and found_inf
+reduction, and the launch marshalling, on every CI run. The guards are NaN: an out-of-bounds
+write changes them, an out-of-bounds read of src raises found_inf or puts a NaN where the
+reference has none.
 """
 
 from __future__ import annotations
@@ -91,9 +92,10 @@ def _param(p) -> object:
     return p.values[0] if hasattr(p, "values") else p
 
 
-# Table sizes around every capacity -> the table the last launch must have used.
-TABLES = {64: "param64", 65: "param256", 256: "param256", 257: "param1000", 1000: "param1000",
-          1001: "device"}
+# Table sizes around every capacity -> the launches (table kind, tensors) they must make.
+TABLES = {64: [("param64", 64)], 65: [("param256", 65)], 256: [("param256", 256)],
+          257: [("param1000", 257)], 1000: [("param1000", 1000)],
+          1001: [("param1000", 1000), ("param64", 1)]}
 
 
 @pytest.mark.parametrize("sms", [1, 132], ids=["1sm", "132sm"])
@@ -103,16 +105,18 @@ def test_table_sizes(guards, n, sms):
     one SM makes every block stride over many chunks."""
     cuda_host.configure(sms, False)
     gpu_cases.table(BACKEND, "cpu", n, quick=True)
-    (launch,) = cuda_host.launches()
-    kind, grid, chunks, tensors = (f.split("=")[-1] for f in launch.split())
-    assert (kind, int(tensors)) == (TABLES[n], n), launch
-    assert int(grid) == min(int(chunks), 4 * sms), launch
+    launched = [[f.split("=")[-1] for f in line.split()] for line in cuda_host.launches()]
+    assert [(kind, int(tensors)) for kind, _, _, tensors in launched] == TABLES[n], launched
+    for _, grid, chunks, _ in launched:
+        assert int(grid) == min(int(chunks), 4 * sms), launched
     guards.check()
 
 
-def test_captured_list_launches_in_groups(guards):
-    """While the stream is captured, 1001 tensors go as parameter tables of 1000 + 1."""
-    cuda_host.configure(132, True)
+@pytest.mark.parametrize("capturing", [True, False], ids=["captured", "not-captured"])
+def test_long_list_launches_in_groups(guards, capturing):
+    """1001 tensors go as parameter tables of 1000 + 1 whether or not the stream is captured:
+    no table is copied from pageable host memory (a copy that may stall the host)."""
+    cuda_host.configure(132, capturing)
     gpu_cases.table(BACKEND, "cpu", 1001, quick=True)
     kinds = [(line.split()[0], line.split()[-1]) for line in cuda_host.launches()]
     assert kinds == [("param1000", "tensors=1000"), ("param64", "tensors=1")]
@@ -157,7 +161,7 @@ def test_portable_path(guards, monkeypatch, n):
     """Without the C++ tensor reader the call reaches the same kernel through raw addresses."""
     monkeypatch.setattr(native, "READER", False)
     gpu_cases.table(BACKEND, "cpu", n, quick=True)
-    assert cuda_host.launches()[0].split()[0] == TABLES[n]
+    assert cuda_host.launches()[0].split()[0] == TABLES[n][0][0]
     gpu_cases.found_inf_vector(BACKEND, "cpu")
     guards.check()
 
@@ -185,11 +189,11 @@ def test_launch_plan(guards):
 @pytest.mark.parametrize("n,capturing,kinds", [
     (64, False, ["zero_norm param64", "param64"]),
     (257, False, ["zero_norm param1000", "param1000"]),
-    (1001, False, ["zero_norm device", "device"]),
+    (1001, False, ["zero_norm param1000", "param1000", "zero_norm param64", "param64"]),
     (1001, True, ["zero_norm param1000", "param1000", "zero_norm param64", "param64"])],
     ids=["64", "257", "1001", "1001-captured"])
 def test_norm_sq_launches(guards, n, capturing, kinds):
-    """norm_sq: each table (parameter tables, the copied one, captured groups of 1000) gets a
+    """norm_sq: each table (parameter tables, groups of 1000, captured or not) gets a
     one-block launch that zeroes its slots before the accumulating launch; 3 SMs make every
     block add several chunks (and tensors) into the slots; the poisoned vector is overwritten."""
     cuda_host.configure(3, capturing)

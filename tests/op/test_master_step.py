@@ -275,6 +275,24 @@ def test_found_inf_writes_nothing(backend, kind):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_found_inf_of_two_skips_and_steps_drop_by_it(backend):
+    """found_inf = 2.0 (GradScaler sums the per-device flags of a fused optimizer: two GPUs in one
+    process): every backend skips the update, as for any nonzero value, unlike torch's fused
+    kernels, which skip only on exactly 1.0 and would step with non-finite gradients. The steps
+    still move as torch's do: +1, then -found_inf."""
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=True,
+              maximize=False, adamw=True)
+    s = make_state(SIZES, "adam", amsgrad=True)
+    write_some_weights(s)
+    before = clone(s)
+    run(s, "adam", hp, backend, found_inf=torch.tensor([2.0]))
+    for name, tensors in before.items():
+        if tensors is not None and name != "state_steps":
+            assert_same(s[name], tensors, name)
+    assert [float(t) for t in s["state_steps"]] == [float(t) - 1 for t in before["state_steps"]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_transposed_tensors_match_torch_on_the_same_strides(backend):
     """Transposed masters, weights and state: torch's fused step on the same strides, bit for
     bit (it passes over memory: its vector/tail split falls on memory positions; more stride

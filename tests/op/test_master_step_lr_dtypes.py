@@ -113,3 +113,38 @@ def test_tensor_betas_are_refused_before_writing(name):
         master_adam_step_(s["masters"], s["weights"], s["grads"], s["exp_avgs"],
                           s["exp_avg_sqs"], None, s["state_steps"], lr=1e-3, **kw)
     assert_same(arrays(s), arrays(before), "after a refused call")
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
+@pytest.mark.parametrize("dtype", [torch.float32, *LR_DTYPES], ids=["fp32", "fp64", "bf16", "fp16"])
+def test_torch_backend_hands_torch_a_float32_lr_on_the_device(monkeypatch, kind, dtype):
+    """backend="torch" off the CPU calls torch's fused op for the device, whose CUDA kernels read
+    a tensor lr as float32: a tensor lr on the step's device is converted to float32 first (a CPU
+    one is passed as its number). Driven on meta tensors (the device path, no GPU) with torch's
+    fused ops replaced by a recorder of the lr they get."""
+    from accumkernels.backends import master_step_ref as ref
+
+    seen = []
+    op = {"adamw": "_fused_adamw_", "adam": "_fused_adam_", "sgd": "_fused_sgd_"}[kind]
+    monkeypatch.setattr(torch, op, lambda *args, lr, **kw: seen.append(lr))
+    meta = torch.device("meta")
+
+    def lists(n):
+        return [[torch.empty(5, device=meta) for _ in range(2)] for _ in range(n)]
+
+    masters, grads = lists(2)
+    weights = [torch.empty(5, device=meta, dtype=torch.bfloat16) for _ in range(2)]
+    for lr in (torch.tensor([LR], dtype=dtype, device=meta), torch.tensor([LR], dtype=dtype)):
+        common = dict(lr=lr, weight_decay=0.01, grad_scale=None, found_inf=None, write_grad=True)
+        if kind == "sgd":
+            ref.sgd(masters, weights, grads, lists(1)[0], momentum=0.9, dampening=0.0,
+                    nesterov=False, maximize=False, is_first_step=False, **common)
+        else:
+            exp_avgs, exp_avg_sqs, steps = lists(3)
+            ref.adam(masters, weights, grads, exp_avgs, exp_avg_sqs, None, steps, beta1=0.9,
+                     beta2=0.999, eps=1e-8, amsgrad=False, maximize=False, adamw=kind == "adamw",
+                     **common)
+    on_device, from_cpu = seen
+    assert isinstance(on_device, torch.Tensor), on_device
+    assert on_device.dtype == torch.float32 and on_device.device == meta
+    assert from_cpu == pytest.approx(float(torch.tensor(LR, dtype=dtype)), rel=0, abs=0)

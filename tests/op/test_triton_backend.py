@@ -22,6 +22,7 @@ from reference import Reference
 
 import accumkernels
 from accumkernels import _util
+from accumkernels.backends import cuda_host
 
 tb = pytest.importorskip("accumkernels.backends.triton")
 if tb.triton is None:
@@ -113,6 +114,47 @@ def test_found_inf_in_the_vector_part(where):
     accumkernels.accumulate_(dst, src, scale, found_inf=found_inf, backend="triton")
     assert found_inf.item() == 1.0
     ref.check(dst[0])
+
+
+@interpreter_only
+@pytest.mark.skipif(not cuda_host.is_available(torch.device("cpu")), reason="no _C")
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_accumulate_bits_match_the_cuda_kernels_fma(src_dtype):
+    """dst + src * scale rounds once, as the CUDA kernel's fmaf (played on the host): the same
+    bits at every element, in full aligned blocks, a tail and an unaligned view, on inputs where
+    a rounded product then a rounded sum differ in the last bit (the test could fail)."""
+    gen = torch.Generator().manual_seed(51)
+    n = 2 * 4096 + 300
+    dst = [torch.randn(n, generator=gen), torch.randn(n + 1, generator=gen)[1:]]
+    src = [(torch.randn(n, generator=gen) * 3).to(src_dtype) for _ in dst]
+    scale = 0.1  # not a power of two: products carry bits below the sum's last place
+    two_roundings = [(d + x.float() * torch.tensor(scale)).clone() for d, x in zip(dst, src)]
+    expected = [d.clone() for d in dst]
+    accumkernels.accumulate_(expected, src, scale, backend="cuda_host")
+    assert any(not torch.equal(a, b) for a, b in zip(expected, two_roundings))
+    accumkernels.accumulate_(dst, src, scale, backend="triton")
+    for got, want in zip(dst, expected):
+        diff = (got.view(torch.int32) != want.view(torch.int32)).nonzero()
+        assert diff.numel() == 0, f"{diff.numel()} elements differ, first at {diff[:4].tolist()}"
+
+
+@interpreter_only
+@pytest.mark.parametrize("weights", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_resync_full_blocks_tails_and_unaligned_views(weights):
+    """resync_masters_ on the hinted full-block path (aligned pairs, 1024-element blocks), the
+    masked tail and unaligned views: the master takes the weight exactly where they differ."""
+    store_m, store_w = torch.randn(9000), torch.randn(9000).to(weights)
+    masters = [torch.randn(2048 + 5), store_m[1:3001], torch.randn(1024), store_m[4000:8100]]
+    ws = [m.to(weights) for m in masters[:2]] + [torch.randn(1024).to(weights),
+                                                  store_w[4000:8100]]
+    ws[0][::5] = torch.randn(ws[0][::5].shape).to(weights)
+    ws[1][3::7] = torch.randn(ws[1][3::7].shape).to(weights)
+    want = [torch.where(w != m.to(weights), w.float(), m) for m, w in zip(masters, ws)]
+    rows, *_ = tb._table(list(zip(masters, ws)), 1024)
+    assert rows[4] == [1, 0, 1, 1]
+    tb.resync_masters(masters, ws)
+    for got, w in zip(masters, want):
+        assert torch.equal(got, w)
 
 
 class _Recorder:
