@@ -109,7 +109,8 @@ def test_wheel_tag_is_what_auditwheel_says(wheel: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)],
                           capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    said = re.search(r'consistent\s+with\s+the\s+following\s+platform\s+tag:\s+"([^"]+)"', proc.stdout)
+    said = re.search(r'consistent\s+with\s+the\s+following\s+platform\s+tag:\s+"([^"]+)"',
+                     proc.stdout)
     assert said, proc.stdout
     platform = wheel.stem.split("-")[-1]
     assert said.group(1).startswith("manylinux_"), proc.stdout
