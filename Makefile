@@ -20,9 +20,12 @@ $(VENV)/.torch: | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC)
 	touch $@
 
+# setuptools >= 77 reads pyproject's SPDX license (ensurepip's 65.5 does not, and a plain
+# `pip install setuptools` keeps it).
 $(VENV)/.build-deps: $(VENV)/.torch
-	$(PY) -c "import pybind11, setuptools, wheel" 2>/dev/null && command -v cmake >/dev/null \
-		&& command -v ninja >/dev/null || $(PIP) install setuptools wheel pybind11 cmake ninja
+	$(PY) -c "import pybind11, setuptools, wheel; assert int(setuptools.__version__.split('.')[0]) \
+		>= 77" 2>/dev/null && command -v cmake >/dev/null && command -v ninja >/dev/null \
+		|| $(PIP) install "setuptools>=77" wheel pybind11 cmake ninja
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.build-deps $(SOURCES)
