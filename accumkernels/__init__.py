@@ -7,6 +7,7 @@ _torch_private.check_core()  # a torch without what the ops' registration needs:
 from accumkernels.batch_size import MicroBatchSearch, find_micro_batch_size
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model, validate_batch_sizes
+from accumkernels.info import build_info
 from accumkernels.master_step import master_adam_step_, master_sgd_step_
 from accumkernels.ops import accumulate_, available_backends
 from accumkernels.optim import AccumulatingOptimizer
@@ -19,6 +20,7 @@ __all__ = [
     "MicroBatchSearch",
     "accumulate_",
     "available_backends",
+    "build_info",
     "check_model",
     "ddp_comm_hook",
     "find_micro_batch_size",
