@@ -184,12 +184,14 @@ class Intake:
         p.grad = None
 
     def after_grad(self, i: int) -> None:
+        p = self.params[i]
+        if not p.requires_grad:  # frozen since the forward: autograd stored nothing (native
+            return  # .grad stays as it was), so this is no gradient of a micro-batch
         if self._starting():
             self._begin()
         self._got_grad = True
         if not self.move_in_backward:
             return
-        p = self.params[i]
         g = p.grad
         if g is None:  # undefined gradient (a Function returned None, or a fused write)
             return
@@ -378,7 +380,7 @@ def _pre_hook(intake_ref, i: int):
 def _outside_hook(intake_ref):
     def hook(param):
         intake = intake_ref()
-        if intake is not None:
+        if intake is not None and param.requires_grad:  # (frozen since the forward: nothing)
             if intake._starting():
                 intake._begin()
             intake._got_grad = True
