@@ -91,3 +91,74 @@ def test_frozen_backward_leaves_count_and_grad(in_backward):
     (loss + model(x2).sum() * 0 + x2.sum()).backward()
     assert opt.micro_steps == 0
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- bf16 with master weights: hand-kept fp32 masters are the judge ------------------------------
+
+def _masters_oracle(model, build, data, hooks=()):
+    """Native master-weight training of the bf16 ``model``: fp32 masters stepped by ``build``'s
+    optimizer (with ``hooks`` registered on it), the window summed in fp32, weights cast back."""
+    params = list(model.parameters())
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    opt = build(masters)
+    for pre, post in hooks:
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+    for window in data:
+        acc = [torch.zeros_like(m) for m in masters]
+        for x, y in window:
+            model.zero_grad()
+            mse(model, x.bfloat16(), y.bfloat16()).backward()
+            for a, p in zip(acc, params):
+                a.add_(p.grad.float())
+        for m, a in zip(masters, acc):
+            m.grad = a
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    return masters
+
+
+def _halve(opt, *_):
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.mul_(0.5)
+
+
+def _clamp(opt, *_):
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.clamp_(-0.2, 0.2)
+
+
+_HOOKED = {
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+}
+
+
+@pytest.mark.parametrize("inner", list(_HOOKED))
+def test_inner_step_hooks_that_write_params_stand(inner):
+    """Step hooks registered on the inner optimizer before wrapping see the params it steps (the
+    fp32 masters of a bf16 model) and their writes stand: a projection before the step and a
+    clamp after it, as on hand-kept masters (they were undone by the fused master step)."""
+    model = make_model(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    data = [[(x.bfloat16(), y.bfloat16()) for x, y in batches(2, 4)] for _ in range(3)]
+    masters = _masters_oracle(ref, _HOOKED[inner], data, hooks=[(_halve, _clamp)])
+    base = _HOOKED[inner](model.parameters())
+    base.register_step_pre_hook(_halve)
+    base.register_step_post_hook(_clamp)
+    opt = AccumulatingOptimizer(base, accumulation_steps=2)
+    for window in data:
+        for x, y in window:
+            mse(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    for m, q in zip(masters, opt.master_params):
+        torch.testing.assert_close(q, m, rtol=0, atol=1e-6)
+    _assert_same(model, ref, atol=0)
