@@ -162,3 +162,257 @@ def test_inner_step_hooks_that_write_params_stand(inner):
     for m, q in zip(masters, opt.master_params):
         torch.testing.assert_close(q, m, rtol=0, atol=1e-6)
     _assert_same(model, ref, atol=0)
+
+
+# -- a closure optimizer (LBFGS) gets every option with its usual meaning -----------------------
+
+def _lbfgs(ps):
+    return torch.optim.LBFGS(ps, lr=0.5, max_iter=4, history_size=5)
+
+
+def _closure_native(model, params, data, clip=None):
+    """The native closure over hand-kept fp32 masters ``params`` of the bf16 ``model``: the model
+    is put at their point, one backward per micro-batch, the masters' ``.grad`` the fp32 sum."""
+    model_params = list(model.parameters())
+
+    def closure():
+        with torch.no_grad():
+            for p, m in zip(model_params, params):
+                if p is not m:
+                    p.copy_(m)
+        for m in params:
+            m.grad = None
+        total = 0.0
+        for x, y in data:  # each micro-batch's gradient summed in fp32
+            model.zero_grad()
+            loss = mse(model, x, y)
+            loss.backward()
+            total += float(loss.detach())
+            for p, m in zip(model_params, params):
+                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        return total
+    return closure
+
+
+def _closure_wrapped(model, data, clip=None):
+    def closure():
+        total = 0.0
+        for x, y in data:
+            loss = mse(model, x, y)
+            loss.backward()
+            total += float(loss.detach())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        return total
+    return closure
+
+
+def test_lbfgs_bf16_masters_move_the_model():
+    """LBFGS on a bf16 model with master weights (the default) steps the fp32 masters, each
+    closure evaluation at their current point, as hand-kept fp32 masters stepped by LBFGS do
+    (the model never moved: LBFGS keeps its own list of params)."""
+    model = make_model(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(2, 6)]
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ref.parameters()]
+    native = _lbfgs(masters)
+    opt = AccumulatingOptimizer(_lbfgs(model.parameters()))
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        theirs = native.step(_closure_native(ref, masters, data))
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), masters):
+                p.copy_(m)
+        mine = opt.step(_closure_wrapped(model, data))
+        assert mine == theirs
+    for m, q in zip(masters, opt.master_params):
+        torch.testing.assert_close(q, m, rtol=0, atol=1e-6)
+    _assert_same(model, ref, atol=0)
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_lbfgs_max_grad_norm_clips_each_evaluation(reduction):
+    """``max_grad_norm`` with a closure optimizer clips each evaluation's (normalised) gradient,
+    as a closure that calls ``clip_grad_norm_`` does natively; ``last_grad_norm`` reports it."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    data = batches(2, 6)
+    native = _lbfgs(ref.parameters())
+    opt = AccumulatingOptimizer(_lbfgs(model.parameters()), max_grad_norm=0.05,
+                                reduction=reduction)
+    scale = 0.5 if reduction == "mean" else 1.0
+    ref_data = [(x, y) for x, y in data]
+    for _ in range(2):
+        def closure(ref=ref):
+            native.zero_grad()
+            total = 0.0
+            for x, y in ref_data:
+                loss = mse(ref, x, y) * scale
+                loss.backward()
+                total += float(loss.detach()) / scale
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            closure.norm = norm
+            return total
+        native.step(closure)
+        opt.step(_closure_wrapped(model, data))
+        assert opt.last_grad_norm is not None
+        torch.testing.assert_close(opt.last_grad_norm, closure.norm, rtol=1e-6, atol=0)
+    _assert_same(model, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("policy", ["skip_step", "raise", "skip_microbatch"])
+def test_lbfgs_nonfinite_gradient_changes_nothing(policy, dtype):
+    """A closure whose gradient is NaN (at the first or a later evaluation) writes nothing: the
+    weights, masters and LBFGS's state stay as before the step; ``skip_step`` counts it,
+    ``raise`` raises FloatingPointError naming the param."""
+    model = make_model(dtype)
+    opt = AccumulatingOptimizer(_lbfgs(model.parameters()), nonfinite=policy)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(2, 6)]
+    opt.step(_closure_wrapped(model, data))  # a good step: LBFGS has a history
+    for bad_at in (1, 3):
+        calls = [0]
+        good = _closure_wrapped(model, data)
+
+        def closure(good=good, calls=calls, bad_at=bad_at):
+            calls[0] += 1
+            if calls[0] != bad_at:
+                return good()
+            loss = mse(model, *data[0]) * float("nan")  # one micro-batch, NaN gradients
+            loss.backward()
+            return float(loss.detach())
+        before = [p.detach().clone() for p in model.parameters()]
+        masters = [m.detach().clone() for m in opt.master_params]
+        state = copy.deepcopy(opt.optimizer.state_dict())
+        if policy == "raise":
+            with pytest.raises(FloatingPointError, match="parameter 0|weight"):
+                opt.step(closure)
+        else:
+            opt.step(closure)
+        assert calls[0] >= bad_at
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p, b)
+        for m, b in zip(opt.master_params, masters):
+            assert torch.equal(m, b)
+        after = opt.optimizer.state_dict()["state"][0]
+        for k, v in state["state"][0].items():
+            if torch.is_tensor(v):
+                assert torch.equal(after[k], v), k
+            elif isinstance(v, list):
+                assert len(after[k]) == len(v), k
+            else:
+                assert after[k] == v, k
+        if policy != "raise":
+            opt.zero_grad()
+    if policy == "skip_step":
+        assert opt.skipped_steps == 2
+    if policy == "skip_microbatch":
+        assert opt.skipped_steps == 2 and opt.skipped_microbatches == 2
+
+
+# -- add_param_group -----------------------------------------------------------------------------
+
+def _two_groups(model, build=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
+    """An optimizer over the first layers; the last layer is added later."""
+    return build([p for layer in list(model)[:-1] for p in layer.parameters()])
+
+
+@pytest.mark.parametrize("in_backward", [True, False], ids=["hooks", "accumulate"])
+def test_add_param_group_mid_window_keeps_gradients(in_backward):
+    """``add_param_group`` between two backwards of a window keeps what the first one gave
+    (the window's params and the new ones' own ``.grad``), as natively."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    native = _two_groups(ref)
+    opt = AccumulatingOptimizer(_two_groups(model), accumulation_steps=2,
+                                accumulate_in_backward=in_backward)
+    data = batches(4, 5)
+    for k, (x, y) in enumerate(data):
+        mse(ref, x, y).backward()
+        mse(model, x, y).backward()
+        if k == 0:
+            native.add_param_group({"params": list(ref[-1].parameters()), "lr": 0.05})
+            opt.add_param_group({"params": list(model[-1].parameters()), "lr": 0.05})
+        if k % 2:
+            native.step()
+            native.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    _assert_same(model, ref)
+
+
+@pytest.mark.parametrize("in_backward", [True, False], ids=["hooks", "accumulate"])
+def test_add_param_group_after_assigned_grad(in_backward):
+    """A ``.grad`` assigned without a backward is the param's gradient: ``add_param_group``
+    keeps it and the next ``step()`` steps with it, as natively."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    native = _two_groups(ref)
+    opt = AccumulatingOptimizer(_two_groups(model), accumulate_in_backward=in_backward)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.grad = torch.randn_like(q)
+        p.grad = q.grad.clone()
+    native.add_param_group({"params": list(ref[-1].parameters())})
+    opt.add_param_group({"params": list(model[-1].parameters())})
+    native.step()
+    opt.step()
+    _assert_same(model, ref)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                      make_model().parameters()))
+
+
+def test_add_param_group_after_step_and_zero_grad_keep():
+    """``step(); zero_grad(set_to_none=False); add_param_group(...)`` is a boundary (the window
+    is zeros): accepted, and the zero gradients still step the params, as natively."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    native = _two_groups(ref, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    opt = AccumulatingOptimizer(_two_groups(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2)))
+    for k, (x, y) in enumerate(batches(3, 5)):
+        for m, o in ((ref, native), (model, opt)):
+            mse(m, x, y).backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+            if k == 0:
+                o.add_param_group({"params": list(m[-1].parameters())})
+    _assert_same(model, ref)
+
+
+def test_add_param_group_keeps_last_grad_norm():
+    """``last_grad_norm`` (the last real step's norm) survives ``add_param_group``."""
+    model = make_model()
+    opt = AccumulatingOptimizer(_two_groups(model), max_grad_norm=1.0)
+    (x, y), = batches(1, 5)
+    mse(model, x, y).backward()
+    opt.step()
+    norm = opt.last_grad_norm
+    assert norm is not None
+    opt.zero_grad()
+    opt.add_param_group({"params": list(model[-1].parameters())})
+    assert opt.last_grad_norm is not None and torch.equal(opt.last_grad_norm, norm)
+
+
+# -- accumulate_in_backward=False: reset_window() and outside clears -----------------------------
+
+def test_reset_window_drops_unmoved_backwards():
+    """``reset_window()`` discards the backwards not yet moved and their count: with N=2 and
+    ``mean`` the next two backwards make the window, as a native loop that restarts there."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    native = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                accumulation_steps=2, reduction="mean",
+                                accumulate_in_backward=False)
+    data = batches(3, 5)
+    mse(model, *data[0]).backward()
+    opt.reset_window()
+    assert opt.micro_steps == 0
+    for x, y in data[1:]:
+        mse(model, x, y).backward()
+        opt.step()
+        (mse(ref, x, y) / 2).backward()
+    native.step()
+    _assert_same(model, ref)
