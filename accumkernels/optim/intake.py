@@ -116,6 +116,12 @@ class Intake:
                 p.grad = view
         self.guard = Guard(self)
 
+    def discard(self) -> None:
+        """``reset_window()``: held gradients and the backwards not yet moved go with it."""
+        self.settle()
+        self.pending = {}
+        self.unmoved = 0
+
     # -- backward tracking ---------------------------------------------------------------------
     def _begin(self) -> None:
         self.settle()
@@ -180,7 +186,7 @@ class Intake:
                 held = pend.get(i)
                 pend[i] = g.detach().clone() if held is None else held.add_(g)
             else:
-                self._absorb(p, g)  # assigned from outside (held gradients never sit in .grad)
+                self.absorb(p, g)  # assigned from outside (held gradients never sit in .grad)
         p.grad = None
 
     def after_grad(self, i: int) -> None:
@@ -334,10 +340,10 @@ class Intake:
         for p, view in zip(self.params, self.views):
             g = p.grad
             if g is not None and g is not view:
-                self._absorb(p, g)
+                self.absorb(p, g)
                 p.grad = view
 
-    def _absorb(self, p: torch.Tensor, g: torch.Tensor) -> None:
+    def absorb(self, p: torch.Tensor, g: torch.Tensor) -> None:
         with torch.no_grad():  # same units as the view it replaced
             self.buffer.view(p).copy_(g)
         self.window.touch([p])
