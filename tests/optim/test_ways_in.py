@@ -416,3 +416,34 @@ def test_reset_window_drops_unmoved_backwards():
         (mse(ref, x, y) / 2).backward()
     native.step()
     _assert_same(model, ref)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("clear", ["opt", "model", "param"])
+def test_outside_clear_mid_window_means_zero_grad(clear, reduction):
+    """With ``accumulate_in_backward=False`` and N given, ``model.zero_grad()`` (or
+    ``p.grad = None``) between the backwards of a window still filling means ``opt.zero_grad()``
+    (README): the window keeps the earlier backwards, as the native loop without a clear."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    native = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                accumulation_steps=3, reduction=reduction,
+                                accumulate_in_backward=False)
+    scale = 1 / 3 if reduction == "mean" else 1.0
+    for window in range(2):
+        for x, y in batches(3, 5):
+            mse(model, x, y).backward()
+            if opt.sync_step:  # (a step() mid-window would move .grad into the window)
+                opt.step()
+            if clear == "opt":
+                opt.zero_grad()
+            elif clear == "model":
+                model.zero_grad()
+            else:
+                for p in model.parameters():
+                    p.grad = None
+            (mse(ref, x, y) * scale).backward()
+        native.step()
+        native.zero_grad()
+    _assert_same(model, ref)
