@@ -376,6 +376,7 @@ class Intake:
                 p.grad = view
 
     def absorb(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        self.window.settle_carry()  # (before a write: the other views' carried gradients)
         with torch.no_grad():  # same units as the view it replaced
             self.buffer.view(p).copy_(g)
         self.window.touch([p])

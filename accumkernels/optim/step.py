@@ -81,6 +81,7 @@ class Step:
         self.intake = intake
         self.measure, self.can_fold = measure, can_fold
         self.last_grad_norm: torch.Tensor | None = None
+        self._carry_scale: torch.Tensor | None = None
 
     def microbatch_ended(self, kept: bool) -> None:
         """One backward (micro-batch) finished: count it; show the window as the step will
@@ -139,7 +140,7 @@ class Step:
         intake, window = self.intake, self.window
         intake.take_in()
         keep = window.keeps_on_clear()
-        if not keep and not window.empty:
+        if not keep and (not window.empty or window.carried_only):
             self.reset_window()
         if set_to_none:
             intake.hide_all()
@@ -223,13 +224,19 @@ class Step:
                 protocol.inner_step(self.optimizer, run=run)
         finally:
             if scaled:
+                if not write_grad:  # the window still holds the gradients times grad_scale
+                    self._carry_scale = torch.reciprocal(self.optimizer.grad_scale)
                 del self.optimizer.grad_scale, self.optimizer.found_inf
         self._after_inner_step(cast, copied=one_pass)
         return True
 
     def finish(self) -> None:
+        """The window ends; what the step used stays in it until a clear (native ``.grad``)."""
         self.scaler.update(found_inf=False)
-        self.reset_window()
+        self.window.carry(self._carry_scale)
+        self._carry_scale = None
+        self.nonfinite.reset()
+        self.sync.reset()
 
     # -- measured ahead of the step (pipeline stages clip by one norm: sync.StageNorm) -----------
     def due(self) -> bool:

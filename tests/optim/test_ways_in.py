@@ -447,3 +447,84 @@ def test_outside_clear_mid_window_means_zero_grad(clear, reduction):
         native.step()
         native.zero_grad()
     _assert_same(model, ref)
+
+
+# -- a loop that never clears .grad ---------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [None, 2])
+@pytest.mark.parametrize("inner", ["sgd", "adamw-fused"])
+def test_never_cleared_window_adds_to_the_last(inner, n):
+    """``backward; step; backward; step`` without any clear: natively the second step uses
+    g0 + g1 (``.grad`` was never cleared), and ``p.grad`` after the second backward shows it;
+    the wrapper's window adds to the last one the same way. With ``mean``, clipping and a
+    fused inner optimizer (its ``grad_scale``), as a native loop that divides the loss and
+    calls ``clip_grad_norm_``."""
+    build = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+             "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)}[inner]
+    model = make_model()
+    ref = copy.deepcopy(model)
+    native = build(ref.parameters())
+    kwargs = {"reduction": "mean", "max_grad_norm": 0.5} if n else {}
+    opt = AccumulatingOptimizer(build(model.parameters()), accumulation_steps=n, **kwargs)
+    k = n or 1
+    for window in range(3):
+        for x, y in batches(k, 5):
+            mse(model, x, y).backward()
+            (mse(ref, x, y) / k).backward()
+            if opt.sync_step:
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    if n:  # (the wrapper normalises a complete window at its N-th backward)
+                        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
+                opt.step()
+        if n:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        native.step()
+        _assert_same(model, ref, what=f"window {window}: ")
+    if not n:
+        (x, y), = batches(1, 5)
+        mse(model, x, y).backward()
+        mse(ref, x, y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
+
+
+def test_never_cleared_bf16_fused_masters():
+    """The same without clears on a bf16 model whose fused master step divides by its
+    ``grad_scale`` (the mean's 1/N and the clip) without writing the window back: the next
+    backward adds to the gradient the step used, as hand-kept fp32 masters' ``.grad`` that is
+    never cleared (``p.grad``, fp32, after the next window's first backward)."""
+    model = make_model(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    params = list(ref.parameters())
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    native = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    opt = AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                                accumulation_steps=2, reduction="mean", max_grad_norm=0.5)
+    acc = [torch.zeros_like(m) for m in masters]
+    data = [[(x.bfloat16(), y.bfloat16()) for x, y in batches(2, 5)] for _ in range(2)]
+    for x, y in data[0]:
+        mse(model, x, y).backward()
+        opt.step()
+        ref.zero_grad()
+        mse(ref, x, y).backward()
+        for a, p in zip(acc, params):
+            a.add_(p.grad.float() / 2)
+    for m, a in zip(masters, acc):
+        m.grad = a
+    torch.nn.utils.clip_grad_norm_(masters, 0.5)  # (in place: acc is the masters' .grad)
+    native.step()
+    with torch.no_grad():
+        for p, m in zip(params, masters):
+            p.copy_(m)
+    for m, q in zip(masters, opt.master_params):  # (the fused clip divides by its grad_scale
+        # where clip_grad_norm_ multiplies: an ulp of the gradient, ~1e-6 here)
+        torch.testing.assert_close(q, m, rtol=0, atol=1e-5)
+    with torch.no_grad():  # the same weights on both sides (a bf16 rounding apart at most)
+        for p, q in zip(params, model.parameters()):
+            p.copy_(q)
+    x, y = data[1][0]
+    mse(model, x, y).backward()
+    ref.zero_grad()
+    mse(ref, x, y).backward()
+    for a, p, q in zip(acc, params, model.parameters()):
+        torch.testing.assert_close(q.grad, a + p.grad.float() / 2, rtol=1e-5, atol=1e-7)
