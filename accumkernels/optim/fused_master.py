@@ -17,7 +17,9 @@ a later native step see it unchanged).
 It is taken when the result is bit-identical to what the inner optimizer itself would do: the
 inner optimizer is exactly ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (not a subclass, whose step
 may differ), built with ``fused=True``, neither ``differentiable`` nor ``capturable``, with
-float32 masters on one device type. Anything else (another optimizer, ``foreach``/for-loop
+float32 masters on one device type, with no step hooks of its own (``register_step_pre_hook``/
+``register_step_post_hook`` on the inner optimizer: they may write the masters between the
+take-in and the copy-back, which one pass cannot interleave). Anything else (another optimizer, ``foreach``/for-loop
 arithmetic, SGD groups whose momentum buffers are partly created) takes the separate passes, with
 the same result as before.
 
@@ -45,6 +47,8 @@ def applies(optimizer: torch.optim.Optimizer, masters) -> bool:
     (MasterWeights) bit for bit; asked at every step (group flags may change)."""
     if not masters.model_params or type(optimizer) not in _ADAM + _SGD:
         return False
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return False  # its hooks see (and may write) the masters around torch's own step
     ids = set(masters.masters)
     for group in optimizer.param_groups:
         mine = [p for p in group["params"] if id(p) in ids]

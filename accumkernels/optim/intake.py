@@ -81,6 +81,9 @@ class Intake:
         self._got_grad = False  # an AccumulateGrad (or fused write) ran in it
         self._end_ref = None  # weakref to the active backward's final callback
         self.unmoved = 0  # backwards whose gradients still sit in .grad (not moved in backward)
+        # param index -> its unmoved .grad after the last backward: a clear from outside
+        # (model.zero_grad()) then means what opt.zero_grad() means (_cleared_unmoved)
+        self._unmoved_grads: dict[int, torch.Tensor] = {}
         self.in_weight_pass = False  # inside weight_pass(): the window stays hidden
         self.counted = False  # a backward counted itself (since the weight pass began)
         self.forgotten_line = False  # a pipeline weight pass ran outside weight_pass()
@@ -116,6 +119,13 @@ class Intake:
                 p.grad = view
         self.guard = Guard(self)
 
+    def discard(self) -> None:
+        """``reset_window()``: held gradients and the backwards not yet moved go with it."""
+        self.settle()
+        self.pending = {}
+        self.unmoved = 0
+        self._unmoved_grads = {}
+
     # -- backward tracking ---------------------------------------------------------------------
     def _begin(self) -> None:
         self.settle()
@@ -123,6 +133,8 @@ class Intake:
             if not self.in_weight_pass and pipeline_weight_pass():
                 self.forgotten_line = True  # raised at step() (every rank gets there)
             self.outside_room.check_unfrozen(self.config.nonfinite, self.names)
+            if self._unmoved_grads:
+                self._cleared_unmoved()
             self._active, self._got_grad, self._deferred = True, False, False
             if self.guard.shown:  # .grad cleared from outside since the views were shown
                 self.guard.cleared_outside()
@@ -180,16 +192,18 @@ class Intake:
                 held = pend.get(i)
                 pend[i] = g.detach().clone() if held is None else held.add_(g)
             else:
-                self._absorb(p, g)  # assigned from outside (held gradients never sit in .grad)
+                self.absorb(p, g)  # assigned from outside (held gradients never sit in .grad)
         p.grad = None
 
     def after_grad(self, i: int) -> None:
+        p = self.params[i]
+        if not p.requires_grad:  # frozen since the forward: autograd stored nothing (native
+            return  # .grad stays as it was), so this is no gradient of a micro-batch
         if self._starting():
             self._begin()
         self._got_grad = True
         if not self.move_in_backward:
             return
-        p = self.params[i]
         g = p.grad
         if g is None:  # undefined gradient (a Function returned None, or a fused write)
             return
@@ -254,6 +268,30 @@ class Intake:
         n = self.config.accumulation_steps
         if n is not None and self.window.micro_steps + self.unmoved >= n:
             self.move_unmoved()  # the N-th backward: .grad shows the complete window
+        else:
+            self._unmoved_grads = {i: p.grad for i, (p, view) in enumerate(
+                zip(self.params, self.views)) if p.grad is not None and p.grad is not view}
+
+    def _cleared_unmoved(self) -> None:
+        """Unmoved gradients whose ``.grad`` was cleared from outside (``model.zero_grad()``,
+        ``p.grad = None``) since the last backward: with N given the window is still filling
+        (the N-th backward moves them), and the clear keeps them, as ``opt.zero_grad()`` does:
+        moved into the window, ``.grad`` None. With N None they are gone, as natively."""
+        refs, self._unmoved_grads = self._unmoved_grads, {}
+        cleared = [i for i, g in refs.items() if self.params[i].grad is None]
+        if not cleared:
+            return
+        if self.config.accumulation_steps is None:
+            if len(cleared) == len(refs) and not any(
+                    p.grad is not None and p.grad is not v for p, v in zip(self.params,
+                                                                             self.views)):
+                self.unmoved = 0  # every unmoved gradient is gone: no backward left to count
+            return
+        for i in cleared:
+            self.params[i].grad = refs[i]
+        self.move_unmoved()
+        for i in cleared:
+            self.params[i].grad = None
 
     def claim(self, p: torch.Tensor) -> SlotWrite:
         """A fused kernel writes p's gradient of this backward straight into the window."""
@@ -304,6 +342,8 @@ class Intake:
         ``count_new``: gradients without a counted backward are one micro-batch."""
         self.settle()
         self.guard.check_all()
+        if self._unmoved_grads:
+            self._cleared_unmoved()
         by_bucket: dict[int, list[torch.Tensor]] = {}
         for p, view in zip(self.params, self.views):
             g = p.grad
@@ -332,10 +372,11 @@ class Intake:
         for p, view in zip(self.params, self.views):
             g = p.grad
             if g is not None and g is not view:
-                self._absorb(p, g)
+                self.absorb(p, g)
                 p.grad = view
 
-    def _absorb(self, p: torch.Tensor, g: torch.Tensor) -> None:
+    def absorb(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        self.window.settle_carry()  # (before a write: the other views' carried gradients)
         with torch.no_grad():  # same units as the view it replaced
             self.buffer.view(p).copy_(g)
         self.window.touch([p])
@@ -378,7 +419,7 @@ def _pre_hook(intake_ref, i: int):
 def _outside_hook(intake_ref):
     def hook(param):
         intake = intake_ref()
-        if intake is not None:
+        if intake is not None and param.requires_grad:  # (frozen since the forward: nothing)
             if intake._starting():
                 intake._begin()
             intake._got_grad = True

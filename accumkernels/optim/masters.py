@@ -72,8 +72,9 @@ class MasterWeights:
         inner, masters = self.optimizer, self.masters
         self.fp32_state()
         state = inner.state
+        # in place: an optimizer that keeps its groups' lists (LBFGS's ``_params``) sees them too
         for group in inner.param_groups:
-            group["params"] = [masters.get(id(p), p) for p in group["params"]]
+            group["params"][:] = [masters.get(id(p), p) for p in group["params"]]
         for p in self.model_params:
             entry = state.pop(p, _NONE)  # (a tensor's hash is a Python call: twice per param)
             if entry is not _NONE:
@@ -83,7 +84,7 @@ class MasterWeights:
         finally:
             model_of = {id(masters[id(p)]): p for p in self.model_params}
             for group in inner.param_groups:
-                group["params"] = [model_of.get(id(q), q) for q in group["params"]]
+                group["params"][:] = [model_of.get(id(q), q) for q in group["params"]]
             state = inner.state
             for p in self.model_params:
                 entry = state.pop(masters[id(p)], _NONE)

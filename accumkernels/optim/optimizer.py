@@ -36,8 +36,8 @@ from accumkernels.optim.guard import follow_move
 from accumkernels.optim.backward import remove_handles, weight_pass
 from accumkernels.optim.masters import MasterWeights
 from accumkernels.optim.outside import OutsideParams
-from accumkernels.optim.parts import (Parts, attach_slots, build_rooms, layout_for, managed,
-                                      resolve_backends)
+from accumkernels.optim.parts import (FlatLayout, Parts, attach_slots, build_rooms, layout_for,
+                                      managed, resolve_backends)
 from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
 from accumkernels.optim.scaling import LossScaler
 from accumkernels.optim.sync_ddp import ddp_sync_for
@@ -156,6 +156,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                                                process_group)
         intake, parts, layout = self._intake, self._parts, self._layout
         self._events.bind(self._step, lambda: follow_move(parts, layout, intake))
+        if old is not None:  # (the last step's norm outlives the rebuild)
+            self._step.last_grad_norm = old.last_grad_norm
         if old is not None and parts.sync.stage_norm is not None:
             parts.sync.stage_norm.replace(old, self._step)
         weakref.finalize(self, remove_handles, self._intake.handles)  # hooks go with the wrapper
@@ -193,17 +195,42 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; its trainable params join the window.
 
-        Only between windows (after ``step()`` or ``reset_window()``): the master buffer is
-        rebuilt to hold the new params (Lightning's ``BackboneFinetuning`` does this).
+        As natively, also in the middle of a window: what the window holds (and what ``.grad``
+        holds: assigned gradients, unmoved ones with ``accumulate_in_backward=False``, the new
+        params' own ``.grad``) stays and the step uses it. The master buffer is rebuilt to hold
+        the new params (Lightning's ``BackboneFinetuning`` does this). A window reduced across
+        ranks (``process_group``, DDP, FSDP2) is not rebuilt mid-window: there it is refused
+        with nothing changed (call it between windows).
         """
-        self._intake.settle()
-        if not self._parts.window.empty:
+        intake, parts = self._intake, self._parts
+        intake.settle()
+        local = isinstance(self._layout, FlatLayout) and not parts.sync.active \
+            and parts.sync.ddp_group is None
+        if not local and not (parts.window.empty and not intake.unmoved):
             raise ValueError(
-                "add_param_group: the current window holds gradients; call it between windows "
-                "(after step() or reset_window()), e.g. at the start of an epoch")
-        self.optimizer.add_param_group(param_group)
+                "add_param_group: the current window holds gradients that are reduced across "
+                "ranks; call it between windows (after step() or reset_window()), e.g. at the "
+                "start of an epoch")
+        self.optimizer.add_param_group(param_group)  # (torch's checks: a refusal changes nothing)
         new = [p for p in self.optimizer.param_groups[-1]["params"] if p.requires_grad]
-        self._build(self._parts.params + new)
+        intake.take_in()  # assigned (or unmoved) gradients join the window first
+        window = parts.window
+        shown = {id(p) for p, v in zip(intake.params, intake.views) if p.grad is v}
+        held = {id(p): v.clone() for p, v in zip(intake.params, intake.views) if window.holds(p)}
+        own = {id(p): p.grad for p in new if p.grad is not None}  # natively summed in .grad
+        self._build(parts.params + new)
+        intake = self._intake
+        with torch.no_grad():
+            for p, view in zip(intake.params, intake.views):
+                if id(p) in held:
+                    view.copy_(held[id(p)])
+                    if id(p) in shown:
+                        p.grad = view
+        intake.guard.shown = bool(shown)
+        for p, view in zip(intake.params, intake.views):
+            if id(p) in own:  # (the gradient of the micro-batches already counted)
+                intake.absorb(p, own[id(p)])
+                p.grad = view
 
     # -- the step -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -319,9 +346,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._intake.take_in()
 
     def reset_window(self) -> None:
-        """Discard the accumulated window; ``p.grad`` becomes None."""
-        self._intake.settle()
-        self._intake.pending = {}
+        """Discard the accumulated window (with ``accumulate_in_backward=False`` also the
+        gradients not yet moved, and their count); ``p.grad`` becomes None."""
+        self._intake.discard()
         self._step.reset_window()
         self._intake.hide_all()
 

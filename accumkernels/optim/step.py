@@ -23,6 +23,30 @@ from accumkernels.optim.nonfinite import grad_norm
 NO_WEIGHTS = "reduction='weighted' needs add_weight() for the window's micro-batches"
 
 
+class _NonFinite(Exception):
+    """A closure evaluation's window is not finite: the closure step is abandoned."""
+
+
+def _snapshot(optimizer: torch.optim.Optimizer) -> tuple:
+    """What a closure step may change: the params the inner optimizer holds now (the masters,
+    inside ``swapped``) and its state, one level deep (LBFGS keeps lists it appends to and
+    tensors it writes in place, such as ``prev_flat_grad``)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    values = [p.detach().clone() for p in params]
+    state = {k: {n: v.clone() if torch.is_tensor(v) else list(v) if isinstance(v, list) else v
+                 for n, v in entry.items()} for k, entry in optimizer.state.items()}
+    return params, values, state
+
+
+@torch.no_grad()
+def _restore(optimizer: torch.optim.Optimizer, saved: tuple) -> None:
+    params, values, state = saved
+    for p, v in zip(params, values):
+        p.copy_(v)
+    optimizer.state.clear()
+    optimizer.state.update(state)
+
+
 @dataclass
 class Decision:
     """What ``decide`` found: the target divisor, the factor still to apply (folded into a fused
@@ -57,6 +81,7 @@ class Step:
         self.intake = intake
         self.measure, self.can_fold = measure, can_fold
         self.last_grad_norm: torch.Tensor | None = None
+        self._carry_scale: torch.Tensor | None = None
 
     def microbatch_ended(self, kept: bool) -> None:
         """One backward (micro-batch) finished: count it; show the window as the step will
@@ -115,7 +140,7 @@ class Step:
         intake, window = self.intake, self.window
         intake.take_in()
         keep = window.keeps_on_clear()
-        if not keep and not window.empty:
+        if not keep and (not window.empty or window.carried_only):
             self.reset_window()
         if set_to_none:
             intake.hide_all()
@@ -199,13 +224,19 @@ class Step:
                 protocol.inner_step(self.optimizer, run=run)
         finally:
             if scaled:
+                if not write_grad:  # the window still holds the gradients times grad_scale
+                    self._carry_scale = torch.reciprocal(self.optimizer.grad_scale)
                 del self.optimizer.grad_scale, self.optimizer.found_inf
         self._after_inner_step(cast, copied=one_pass)
         return True
 
     def finish(self) -> None:
+        """The window ends; what the step used stays in it until a clear (native ``.grad``)."""
         self.scaler.update(found_inf=False)
-        self.reset_window()
+        self.window.carry(self._carry_scale)
+        self._carry_scale = None
+        self.nonfinite.reset()
+        self.sync.reset()
 
     # -- measured ahead of the step (pipeline stages clip by one norm: sync.StageNorm) -----------
     def due(self) -> bool:
@@ -257,24 +288,56 @@ class Step:
         """An inner optimizer that requires a closure (LBFGS) evaluates it itself, maybe
         several times: each evaluation runs at the inner optimizer's current point (masters
         copied into the model), fills a fresh window (``take_in()`` takes in and counts what the
-        closure's backward left) and hands it over as ``.grad``."""
+        closure's backward left) that is normalised, checked and clipped as a window at
+        ``step()`` is (``decide``), and hands it over as ``.grad`` (to the masters, which the
+        inner optimizer steps). An evaluation whose gradient is not finite (or that
+        ``skip_microbatch`` dropped) ends the step: the params, masters and the inner
+        optimizer's state are put back as they were before it, and the non-finite policy
+        applies (``skipped_steps``, or ``FloatingPointError`` naming the param)."""
         cast: list[torch.Tensor] = []
+        last: list = [None]
 
         def evaluate():
             self.masters.copy_back()
             self.reset_window()
             with torch.enable_grad():
-                loss = closure()
+                last[0] = loss = closure()
             with torch.no_grad():
                 self.take_in()
-                self.window.zero_untouched(self.params, self.intake.views)
-                self.window.normalise(self.window.target_divisor() or 1.0)
-                self.outside.scale(1.0 / (self.scaler.scale * self.window.divisor))
+                window = self.window
+                if window.micro_steps and not window.kept:  # skip_microbatch dropped it
+                    raise _NonFinite
+                window.zero_untouched(self.params, self.intake.views)
+                d = self.decide(None)  # (a closure optimizer is never fused: no fold)
+                if d is None:
+                    raise _NonFinite
+                flats = list(window.storage.buffers.values())
+                self._scale_grads(flats + d.outside, d.norm, d.factor, False)
                 cast[:] = self._hand_grads()
+                if cast and not self.nonfinite.all_finite([p.grad for p in cast]):
+                    raise _NonFinite  # the window overflows the params' dtype
             return loss
 
+        if self.masters.model_params:
+            self.masters.resync_changed()  # weights the user wrote since the last step
+        bad = False
         with self.masters.swapped():
-            loss = protocol.inner_step(self.optimizer, evaluate)
+            saved = _snapshot(self.optimizer)
+            try:
+                loss = protocol.inner_step(self.optimizer, evaluate)
+            except _NonFinite:
+                _restore(self.optimizer, saved)
+                bad, loss = True, last[0]
+        if bad:
+            for p in cast:
+                p.grad = None
+            self.masters.copy_back()
+            self.intake.expose()
+            if self.window.kept:
+                self.nonfinite_window()
+            else:
+                self.skip()
+            return loss
         self._after_inner_step(cast)
         self.reset_window()
         return loss

@@ -32,6 +32,14 @@ class Window:
       ``step()``); False for good once a ``step()`` comes on an incomplete window without
       ending it (the caller steps every micro-batch).
 
+    * ``carried_only``: after a real step the window keeps what the step used (as native
+      ``.grad`` keeps it until a clear): the views stay touched, so the next backward adds to
+      them, and a clear (``zero_grad``, ``model.zero_grad()``, ``p.grad = None``) drops them.
+      Until something new arrives the window counts as empty (a ``step()`` then does nothing).
+      ``carry_scale``: the factor the storage still owes the step's gradients (a fused master
+      step that divided by its ``grad_scale`` without writing back), applied before the first
+      write of the next window (:meth:`first_write`).
+
     ``storage`` is a MasterGradBuffer (flat fp32 buffers, one per device) or the FSDP2 room's
     sharded window: anything with ``buffers`` (device -> flat fp32 tensor) and ``view(p)``.
     """
@@ -51,11 +59,29 @@ class Window:
         self.weights: list[float] = []
         self.dropped: set[int] = set()
         self.divisor = float(self._n) if (self._mean and self._n) else 1.0
+        self.carried_only = False
+        self.carry_scale: torch.Tensor | float | None = None
+
+    def carry(self, scale: torch.Tensor | float | None = None) -> None:
+        """A real step ended the window: a new one begins that holds what the step used (the
+        storage times ``scale``), to be added to unless it is cleared first (native ``.grad``)."""
+        touched = self._touched
+        self.reset()
+        self._touched = touched
+        self.carried_only = bool(touched)
+        self.carry_scale = scale if touched else None
+
+    def settle_carry(self) -> None:
+        """Apply the carried gradients' pending scale (before anything writes the storage)."""
+        scale, self.carry_scale = self.carry_scale, None
+        if scale is not None:
+            torch._foreach_mul_(list(self.storage.buffers.values()), scale)
 
     # -- what it holds ---------------------------------------------------------------------------
     @property
     def empty(self) -> bool:
-        return self.micro_steps == 0 and not self._touched
+        """Nothing arrived since the last step or clear (carried gradients alone: empty)."""
+        return self.micro_steps == 0 and (not self._touched or self.carried_only)
 
     @property
     def complete(self) -> bool:
@@ -72,13 +98,17 @@ class Window:
     def touch(self, params) -> None:
         """These params' views now hold data of this window."""
         self._touched.update(id(p) for p in params)
+        self.carried_only = False
 
     def keep_only(self, params: list[torch.Tensor], keep: list[bool]) -> None:
         """The params that hold data after a reduction over ranks (some rank had a gradient)."""
         self._touched = {id(p) for p, k in zip(params, keep) if k}
 
     def first_write(self, p: torch.Tensor) -> bool:
-        """Whether a write of p's gradient now overwrites its view (its first of the window)."""
+        """Whether a write of p's gradient now overwrites its view (its first of the window);
+        asked before every write, so the carried gradients' scale is settled here."""
+        if self.carry_scale is not None:
+            self.settle_carry()
         return id(p) not in self._touched
 
     # -- micro-batches and weights ---------------------------------------------------------------
@@ -88,6 +118,7 @@ class Window:
         else:
             self.dropped.add(self.micro_steps)
         self.micro_steps += 1
+        self.carried_only = False
 
     def add_weight(self, value: float) -> None:
         self.weights.append(value)

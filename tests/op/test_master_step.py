@@ -310,6 +310,30 @@ def test_transposed_tensors_match_torch_on_the_same_strides(backend):
         assert_same([t.contiguous() for t in strided[name]], tensors, name)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("member", ["grads", "exp_avgs", "exp_avg_sqs"])
+def test_neg_bit_member_of_a_dense_strided_group(backend, member):
+    """A group that is dense and shares one non-contiguous layout (all transposed) but holds a
+    neg-bit tensor (``torch._neg_view``: the gradient or a state tensor whose storage holds the
+    negated values): its values are read (and written back) through the neg bit, so the step is
+    torch's on the same logical values, bit for bit (flattened as raw memory it steps with -g)."""
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False,
+              maximize=False, adamw=True)
+    s = make_state([12 * 7, 5], "adam")
+    strided = {k: [v[0].view(12, 7).t(), v[1]] for k, v in s.items()
+               if k not in ("max_exp_avg_sqs", "state_steps")}
+    strided["max_exp_avg_sqs"] = None
+    strided["state_steps"] = s["state_steps"]
+    want = judge(strided, "adam", hp)
+    logical = strided[member][0]
+    strided[member][0] = torch._neg_view((-logical.t().contiguous()).t())  # same strides
+    assert strided[member][0].is_neg() and strided[member][0].stride() == logical.stride()
+    assert torch.equal(strided[member][0], logical)
+    run(strided, "adam", hp, backend)
+    for name, tensors in want.items():
+        assert_same([t.resolve_neg().contiguous() for t in strided[name]], tensors, name)
+
+
 def test_cpu_kernel_bumps_versions():
     if "cpu" not in ms.available_backends("cpu"):
         pytest.skip("accumkernels._C not built")

@@ -78,6 +78,7 @@ def test_resume_at_every_cut_point_is_exact(config):
             if weighted and i % 2 == 1:
                 opt.add_weight(weights[i])
             opt.step()
+            opt.zero_grad()  # (keeps a window still filling; without it the next adds to it)
         return phase
 
     phases = [f(i) for i in range(len(data)) for f in (backward, after)]
@@ -161,6 +162,7 @@ def test_resume_mid_window_keeps_grads_not_yet_accumulated():
             mse(model, *data[i]).backward()
             if (i + 1) % N == 0:
                 opt.step()
+                opt.zero_grad()  # (as the native loop: without it the next window adds to it)
 
     native = copy.deepcopy(template)
     native_opt = torch.optim.SGD(native.parameters(), lr=lr, momentum=0.9)

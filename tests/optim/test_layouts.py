@@ -260,3 +260,54 @@ def test_channels_last_after_wrapping_and_dtype_round_trip(kind, dtype):
         assert a.stride() == b.stride() and torch.equal(a, b)
         if dtype == torch.float32:
             assert torch.equal(a, c)
+
+
+def test_bf16_masters_relayout_into_new_memory_after_a_step():
+    """``model.to(memory_format=torch.channels_last)`` on a bf16 conv net after a real step moves
+    each conv weight into new memory: its fp32 master (which holds bits the bf16 weight lacks)
+    takes the new layout keeping its values element by element, and the next window steps as
+    hand-kept fp32 masters do (fused AdamW on the masters, fp32 sums, cast back)."""
+    torch.manual_seed(int(torch.randint(0, 2**31, ())))
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Tanh(), nn.Conv2d(6, 4, 3, bias=False),
+                          nn.Flatten(), nn.Linear(4 * 3 * 3, 5)).bfloat16()
+    ref = copy.deepcopy(model)
+    params = list(ref.parameters())
+    masters = [nn.Parameter(p.detach().float().clone()) for p in params]
+    native = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    opt = AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                                accumulation_steps=2)
+    data = [(torch.randn(2, 3, 7, 7).bfloat16(), torch.randn(2, 5)) for _ in range(4)]
+    for k in range(2):
+        if k == 1:
+            before = [m.detach().clone() for m in opt.master_params]
+            assert any(not torch.equal(m, p.float()) for m, p in zip(before, model.parameters()))
+            places = [p.data_ptr() for p in model.parameters()]
+            model.to(memory_format=torch.channels_last)
+            ref.to(memory_format=torch.channels_last)
+            for m in masters:  # the hand-kept masters take it too (torch's fused step pairs
+                if m.dim() == 4:  # them with their state by memory position, as the wrapper's)
+                    m.data = m.data.contiguous(memory_format=torch.channels_last)
+            assert places[0] != model[0].weight.data_ptr()  # new memory
+        acc = [torch.zeros_like(m) for m in masters]
+        for x, y in data[2 * k:2 * k + 2]:
+            F.mse_loss(model(x).float(), y).backward()
+            opt.step()
+            if k == 1 and x is data[2][0]:
+                for m, b in zip(opt.master_params, before):
+                    assert torch.equal(m, b)  # the same values, element by element
+                assert opt.master_params[0].is_contiguous(memory_format=torch.channels_last)
+            ref.zero_grad()
+            F.mse_loss(ref(x).float(), y).backward()
+            for a, p in zip(acc, params):
+                a.add_(p.grad.float())
+        opt.zero_grad()
+        for m, a in zip(masters, acc):
+            m.grad = a
+        native.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    for m, q in zip(masters, opt.master_params):
+        assert torch.equal(q, m)
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q)
