@@ -23,8 +23,10 @@ class DDPSync(LocalSync):
 
     active = True
 
-    def __init__(self, group, window, params: list[torch.Tensor], flush, found_inf):
+    def __init__(self, group, window, params: list[torch.Tensor], flush, found_inf,
+                 weighted: bool = False):
         super().__init__(independent_ranks=False)
+        self.weighted = weighted  # every step agrees on the weights (see finish)
         self.ddp_group = group
         self.window, self.params = window, params
         self.flush = flush  # moves the pending gradients of given params into the window
@@ -124,7 +126,7 @@ class DDPSync(LocalSync):
     def _agree(self) -> WindowTotals:
         w = self.window
         totals = self.reducer.agree(w.micro_steps, w.kept, w.local_weight(), self.found_inf,
-                                    w.held(self.params))
+                                    w.held(self.params), self.weight_state())
         totals.averaged = True
         return totals
 
@@ -135,11 +137,11 @@ class DDPSync(LocalSync):
                 flat.div_(world)
             w = self.window
             self.totals = self.reducer.finish(w.micro_steps, w.kept, w.local_weight(), found_inf,
-                                              w.held(self.params))
+                                              w.held(self.params), self.weight_state())
             self.totals.averaged = True
             self.clean, self.stale = True, False  # reduced: a second call returns the same
-        elif self.stale:
-            self.totals = self._agree()
+        elif self.stale or self.weighted:  # weighted: a weight reported after the sync on
+            self.totals = self._agree()  # one rank only (or skipped) is met here, every step
             self.stale = False
         self.gathered()
         return self.totals
@@ -155,7 +157,7 @@ class DDPSync(LocalSync):
                                                                                float("nan")))
 
     def reset(self) -> None:
-        self.totals = None
+        self.totals, self.refused_weight = None, None
         self.clean = self.stale = self.synced = False
         self.futures = []
         self.reducer.reset()
@@ -184,6 +186,7 @@ def ddp_sync_for(current, group, config, window, params, flush, found_inf) -> DD
             "accumulate_in_backward=True and a nonfinite policy other than "
             "'skip_microbatch' (DDP reduces each gradient during the backward, before a "
             "micro-batch could be dropped)")
-    sync = DDPSync(group, window, params, flush, found_inf)
+    sync = DDPSync(group, window, params, flush, found_inf,
+                   weighted=config.reduction == "weighted")
     sync.stage_norm = current.stage_norm  # (clip_across_stages before DDP was met)
     return sync
