@@ -11,11 +11,22 @@ wrapper's LocalSync once.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
 from accumkernels.distributed import WindowReducer, WindowTotals
 from accumkernels.optim.sync import BOTH_REDUCE, GroupSync, LocalSync
+
+
+NO_SYNC_WINDOW = (
+    "AccumulatingOptimizer: a window ended at step() without a DDP sync backward (every "
+    "micro-batch ran under ddp.no_sync(), the window's last one included). The wrapper averaged "
+    "the window over the ranks at step(), so the ranks stay identical, but until then p.grad "
+    "was each rank's own window, as natively without the sync: a clip or a gradient log before "
+    "step() measured this rank's window, not the average DDP's sync would have shown. Run the "
+    "window's last backward outside no_sync(). (Warned once.)")
 
 
 class DDPSync(LocalSync):
@@ -39,6 +50,7 @@ class DDPSync(LocalSync):
         self.clean = False  # no micro-batch since the last DDP sync (totals are current)
         self.stale = False  # ... but a weight was reported after it
         self.totals: WindowTotals | None = None
+        self.warned_no_sync = False  # (NO_SYNC_WINDOW: once per wrapper)
 
     timeout_s = GroupSync.timeout_s
 
@@ -132,6 +144,9 @@ class DDPSync(LocalSync):
 
     def finish(self, found_inf: torch.Tensor) -> WindowTotals:
         if not self.clean:  # micro-batches no DDP sync reduced (no sync in this window's end)
+            if self.window.micro_steps and not self.warned_no_sync:
+                self.warned_no_sync = True
+                warnings.warn(NO_SYNC_WINDOW, stacklevel=2)
             world = dist.get_world_size(self.ddp_group)
             for flat in self.window.storage.buffers.values():
                 flat.div_(world)
