@@ -121,6 +121,27 @@ class LocalSync:
             self.refused_weight = self.refused_weight or str(exc)
             return None
 
+    def any_rank(self, flag: bool, what: str) -> bool:
+        """Whether ``flag`` holds on any of the ranks whose windows this one is reduced with
+        (one small all-reduce with a deadline; a rank alone: its own). For a refusal that
+        every rank must raise alike (a load that would leave the ranks in different windows)."""
+        group = self.agreement_group()
+        if group is False:
+            return flag
+        value = torch.tensor([float(flag)], dtype=torch.float64)
+        work = dist.all_reduce(value, group=group, async_op=True)
+        seconds = self.timeout_s or 300.0
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=seconds))
+        except RuntimeError as exc:
+            raise RuntimeError(f"AccumulatingOptimizer: waited {seconds:g} s for the other "
+                               f"ranks' {what}; every rank must call it") from exc
+        return float(value) > 0
+
+    def agreement_group(self):
+        """The process group the ranks agree over (None: the default one); False: none."""
+        return None if self.rank_local_window() is not None else False
+
     def weight_state(self) -> tuple[int, str | None]:
         """What the ranks agree on about the weights: this rank's micro-batches without a
         weight, and the weight it refused (accumkernels.distributed.check_weights)."""
@@ -220,6 +241,9 @@ class GroupSync(LocalSync):
 
     def ddp_possible(self) -> bool:
         return False
+
+    def agreement_group(self):
+        return self.reducer.group if self.reducer.world > 1 else False
 
     def backward_begins(self) -> None:
         """A backward after the window's reduction started (or finished) must reach it too:

@@ -65,6 +65,9 @@ class DDPSync(LocalSync):
     def ddp_possible(self) -> bool:
         return True
 
+    def agreement_group(self):
+        return self.ddp_group
+
     def reduce(self, params: list[torch.Tensor]) -> torch.futures.Future:
         """From DDP's comm hook, on a sync backward: average the fp32 window of ``params``."""
         self.flush(params)  # gradients waiting for the rest of a wrapper bucket
