@@ -74,7 +74,8 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def positive_weight(weight: object) -> float:
-    """A micro-batch weight (``add_weight``): a number or 1-element tensor, finite and > 0."""
+    """A micro-batch weight (``add_weight``): a number or 1-element tensor, finite and >= 0 (a
+    micro-batch without tokens contributes nothing, as natively)."""
     if isinstance(weight, torch.Tensor) and weight.numel() != 1:
         raise TypeError("weight must be a number or a 1-element tensor")
     if isinstance(weight, bool) or not isinstance(weight, (int, float, torch.Tensor)) \
@@ -82,6 +83,6 @@ def positive_weight(weight: object) -> float:
         raise TypeError(f"weight must be a number or a 1-element tensor, got "
                         f"{type(weight).__name__}")
     value = float(weight)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"weight must be finite and positive, got {value}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"weight must be finite and not negative, got {value}")
     return value

@@ -59,6 +59,34 @@ class WindowTotals:
         self.touched = [v > 0 for v in values[5:5 + num_params]]
 
 
+def weight_counts(missing: int, refused: str | None) -> torch.Tensor:
+    """This rank's part of the weights' agreement: micro-batches without a weight (and its
+    square), and whether ``add_weight`` refused a value here."""
+    return torch.tensor([missing, missing**2, float(refused is not None)], dtype=torch.float64)
+
+
+def check_weights(summed: list[float], world: int, rank: int, missing: int,
+                  refused: str | None) -> None:
+    """After the all-reduce of :func:`weight_counts`: the same error on every rank if a rank
+    refused a weight (ValueError) or the ranks miss different numbers of ``add_weight`` calls
+    (RuntimeError; one rank skipped one: its window would be normalised apart from the
+    others', and a user's clip would measure different windows)."""
+    total, squares, refusals = summed
+    if refusals > 0:
+        here = f" (here: {refused})" if refused is not None else ""
+        raise ValueError(
+            f"AccumulatingOptimizer: add_weight() refused a negative or non-finite weight on "
+            f"{refusals:g} of the {world} ranks{here}; rank {rank} raises with them. Every "
+            "rank's weight must be finite and >= 0 (0 for a micro-batch without tokens)")
+    if squares * world != total ** 2:  # Cauchy-Schwarz: every rank misses the same number
+        raise RuntimeError(
+            f"AccumulatingOptimizer: the ranks disagree on the weights (reduction='weighted'): "
+            f"rank {rank} has {missing} micro-batch(es) of this window without add_weight(), "
+            f"the {world} ranks {total:g} in all. Every rank must call add_weight() once per "
+            "micro-batch (add_weight(0) for a micro-batch without tokens), at the same point "
+            "(all before their backward, or all after)")
+
+
 class WindowReducer:
     """All-reduces a MasterGradBuffer's buckets (sum) and the window's bookkeeping."""
 
@@ -121,22 +149,27 @@ class WindowReducer:
                 "micro-batches, or a rank stopped early)") from exc
 
     def finish(self, micro_steps: int, kept: int, weight: float, found_inf: torch.Tensor,
-               touched: list[bool]) -> WindowTotals:
+               touched: list[bool], weights: tuple[int, str | None] = (0, None)
+               ) -> WindowTotals:
         """Reduce every bucket not yet reduced, wait for all, then agree on the window."""
         for bucket in self.buffer.buckets:
             self.reduce_bucket(bucket)
         works, self._works = self._works, {}
         for work in works.values():
             self.wait(work, "gradient")
-        return self.agree(micro_steps, kept, weight, found_inf, touched)
+        return self.agree(micro_steps, kept, weight, found_inf, touched, weights)
 
     def agree(self, micro_steps: int, kept: int, weight: float, found_inf: torch.Tensor,
-              touched: list[bool]) -> WindowTotals:
-        """One small all-reduce of the window's bookkeeping (no gradients); checks the counts."""
+              touched: list[bool], weights: tuple[int, str | None] = (0, None)
+              ) -> WindowTotals:
+        """One small all-reduce of the window's bookkeeping (no gradients); checks the counts.
+        ``weights``: (micro-batches still without ``add_weight``, this rank's refused weight
+        or None), checked by :func:`check_weights` on every rank alike."""
         device = next(iter(self.buffer.buffers))
         head = torch.tensor([micro_steps, micro_steps**2, kept, weight], dtype=torch.float64)
         info = torch.cat([head.to(device), found_inf.double().reshape(1),
-                          torch.tensor(touched, dtype=torch.float64).to(device)])
+                          torch.tensor(touched, dtype=torch.float64).to(device),
+                          weight_counts(*weights).to(device)])
         self.wait(dist.all_reduce(info, group=self.group, async_op=True), "window bookkeeping")
         values = info.tolist()
         # Every rank ran m micro-batches iff sum(m^2) * world == sum(m)^2 (Cauchy-Schwarz).
@@ -145,6 +178,7 @@ class WindowReducer:
                 f"AccumulatingOptimizer: the ranks disagree on the window: this rank (rank "
                 f"{self.rank}) ran {micro_steps} micro-batches, the {self.world} ranks "
                 f"{values[0]:g} in all; every rank must run the same number before step()")
+        check_weights(values[-3:], self.world, self.rank, *weights)
         return WindowTotals(values, self.world, len(touched))
 
     def settle(self) -> None:

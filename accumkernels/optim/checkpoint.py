@@ -51,8 +51,10 @@ at the top level, the inner state under ``"optimizer"``) still load.
 Under data parallelism a window is each rank's own until it is reduced across the ranks (DDP's
 sync backward, ``process_group``'s step). A state dict taken before that records the rank and
 world size that saved it, warns, and loads only there: every rank saving and loading its own
-resumes exactly, while rank 0's loaded on another rank (frameworks that save rank 0's only) is
-refused, not silently substituted for that rank's window. With ``process_group`` and N given,
+resumes exactly, while rank 0's loaded on another rank (frameworks that save rank 0's only, or
+``torch.distributed.checkpoint``, which writes each key from one rank) is refused, not silently
+substituted for that rank's window -- on every rank alike (the ranks agree in one small
+all-reduce, made only for such a checkpoint), so no rank trains on alone. With ``process_group`` and N given,
 the window's last backward sums its buckets across the ranks: a state dict taken after it names
 those buckets (``window["summed"]``), and the resumed wrapper does not sum them again; only a
 wrapper reducing over the same ranks loads it.

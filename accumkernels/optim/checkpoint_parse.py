@@ -24,7 +24,11 @@ def shapes_digest(params: list) -> str:
 
 
 def _check_rank(parts, window: dict) -> None:
-    """A rank-local window loads only on the rank (and world size) that saved it."""
+    """A rank-local window loads only on the rank (and world size) that saved it, and only if
+    every rank loads its own: the ranks agree (one small all-reduce, made only for such a
+    checkpoint), and where one refuses every rank refuses, so none trains on into a collective
+    the others never reach. (``torch.distributed.checkpoint`` writes each key once, from one
+    rank: rank 0's bookkeeping with a window mixed from several ranks' reaches every rank.)"""
     if "rank" not in window:
         return
     saved = (window["rank"], window["world"])
@@ -32,7 +36,17 @@ def _check_rank(parts, window: dict) -> None:
     here = here if here is not None else ((dist.get_rank(), dist.get_world_size())
                                           if dist.is_available() and dist.is_initialized()
                                           else (0, 1))
-    if tuple(saved) != tuple(here):
+    mine = tuple(saved) != tuple(here)
+    if parts.sync.any_rank(mine, "load_state_dict() of a mid-window checkpoint") and not mine:
+        raise ValueError(
+            f"load_state_dict: this checkpoint was taken in the middle of a window, when each "
+            f"rank's window was its own (not yet reduced across the ranks), and another rank "
+            f"cannot resume its part from it (a checkpoint saved by one rank, or through "
+            f"torch.distributed.checkpoint, which writes each key from one rank only). Rank "
+            f"{here[0]} refuses it too, so that the ranks stay in step; nothing was loaded. "
+            "Each rank must save and load its own opt.state_dict() (torch.save), or "
+            "checkpoint at a window boundary, after step()")
+    if mine:
         raise ValueError(
             f"load_state_dict: this checkpoint was taken in the middle of a window and holds "
             f"rank {saved[0]}'s window of a {saved[1]}-rank job (not yet reduced across the "

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from accumkernels._util import LOW_PRECISION
-from accumkernels.distributed import WindowTotals
+from accumkernels.distributed import WindowTotals, check_weights, weight_counts
 from accumkernels.optim import fsdp2_checkpoint
 from accumkernels.optim.fsdp2_intake import ShardedIntake, ShardedWindow
 from accumkernels.optim.fsdp2_recipe import RECIPE, dtensor_type, tensor_parallel_error
@@ -146,38 +146,38 @@ class MeshSync(LocalSync):
         # a tensor-parallel peer (not the first of its TP group) reports no weight of its own
         self.tp_peer = any(c != 0 for c in coordinate[dp_dims:])
         self.tp_size = self.world // math.prod(mesh.size(d) for d in range(dp_dims))
-        self._agreed: int | None = None  # weights agreed on (count), since the window began
+        self._awaiting = False  # the agreement after the N-th backward found weights missing
 
     def _weight(self) -> float:
         return 0.0 if self.tp_peer else self.window.local_weight()
 
-    def _weights_in(self) -> bool:
-        w = self.window
-        return self.weighted and w.complete and not w.weights_pending()
-
     def _agree_weight(self) -> None:
-        """The mesh's weight total now; the window normalised by it (what ``p.grad`` shows)."""
+        """The mesh agrees on the window's bookkeeping (the step's all-reduce: a rank that
+        skipped an ``add_weight`` meets the others' agreement wherever it is, and every rank
+        raises); with every weight in, the window is normalised by the total (what ``p.grad``
+        shows), else the ``add_weight`` that completes them agrees again."""
         device = next(iter(self.window.storage.buffers), torch.device("cpu"))  # (NCCL: GPU)
-        total = self.all_reduce(torch.tensor([self._weight()], dtype=torch.float64,
-                                             device=device), "weight").item()
-        self._agreed = len(self.window.weights)
-        if total > 0:
-            self.window.normalise(total)
+        values = self._bookkeeping(torch.zeros((), device=device))
+        self._awaiting = values[-3] > 0  # every rank misses the same number of weights
+        if not self._awaiting and values[3] > 0:
+            self.window.normalise(values[3])
 
     def end_backward(self) -> bool:
-        """The N-th backward with every weight reported before it: agree and normalise."""
-        if self._weights_in():
+        """A backward of a complete window (every rank runs it): agree, normalise if every
+        weight is in."""
+        if self.weighted and self.window.complete:
             self._agree_weight()
-            return True
+            return not self._awaiting
         return False
 
     def weight_added(self) -> None:
-        """The weight that completes a complete window's (reported after its backward)."""
-        if self._weights_in() and self._agreed != len(self.window.weights):
+        """The weight that completes a complete window's (reported after its backward); a
+        weight beyond them is agreed at the step."""
+        if self._awaiting and not self.window.weights_pending():
             self._agree_weight()
 
     def reset(self) -> None:
-        self._agreed = None
+        self._awaiting, self.refused_weight = False, None
         super().reset()
 
     def rebind(self, window, params: list[torch.Tensor]) -> None:
@@ -195,19 +195,27 @@ class MeshSync(LocalSync):
                     "all-reduce; a rank stopped early or took another step") from exc
         return values
 
-    def finish(self, found_inf: torch.Tensor) -> WindowTotals:
+    def _bookkeeping(self, found_inf: torch.Tensor) -> list[float]:
+        """The window's counts, weight, non-finite flag, held params and weight counts summed
+        over the mesh; the same checks raise on every rank."""
         w = self.window
         micro_steps = w.micro_steps
         head = torch.tensor([micro_steps, micro_steps**2, w.kept, self._weight()],
                             dtype=torch.float64)
+        weights = self.weight_state()
         info = torch.cat([head.to(found_inf.device), found_inf.double().reshape(1),
                           torch.tensor(w.held(self.params), dtype=torch.float64)
-                          .to(found_inf.device)])
+                          .to(found_inf.device), weight_counts(*weights).to(found_inf.device)])
         values = self.all_reduce(info, "window bookkeeping").tolist()
         if values[1] * self.world != values[0] ** 2:  # Cauchy-Schwarz: every rank ran m
             raise RuntimeError(
                 f"AccumulatingOptimizer (FSDP2): the ranks disagree on the window: this rank ran "
                 f"{micro_steps} micro-batches, the {self.world} ranks {values[0]:g} in all")
+        check_weights(values[-3:], self.world, dist.get_rank(), *weights)
+        return values
+
+    def finish(self, found_inf: torch.Tensor) -> WindowTotals:
+        values = self._bookkeeping(found_inf)
         totals = WindowTotals(values, self.world, len(self.params))
         totals.averaged = self.averaged
         return totals

@@ -10,9 +10,11 @@ changes:
 * the bookkeeping that differs between ranks is saved in its agreed form (found_inf: the OR
   of every rank's; ``add_weight`` total: every rank's share of the world total), so the
   replicated copy DCP keeps is right for every rank of any world size;
-* a fresh wrapper's inner optimizer gets its state created first (an lr=0 step on zero
-  gradients, as DCP's ``get_optimizer_state_dict`` does for native optimizers), so
-  ``opt.state_dict()`` of a fresh wrapper is a complete template for ``dcp.load``.
+* a param whose inner optimizer has no state yet is saved with the state a fresh optimizer is
+  loaded with (the core's template: an lr=0 step on copies, ``step`` 0, listed as ``"fresh"``),
+  so ``opt.state_dict()`` of a fresh wrapper is a complete template for ``dcp.load``. The
+  inner optimizer itself is never stepped to make it: AdamW's step count (its bias correction)
+  would then be one ahead in the run that saved and in the one that resumes.
 
 Recipes, mid-window included: torchtitan's (``get_state_dict(model, opt, options=...)``, any
 options, ``flatten_optimizer_state_dict=True`` included; ``dcp.save``; to resume, build the model
@@ -32,7 +34,9 @@ from accumkernels.optim import checkpoint
 
 @torch.no_grad()
 def init_inner_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create a torch optimizer's lazy state (lr=0 step on zero grads); grads kept as they were."""
+    """Create a native torch optimizer's lazy state (lr=0 step on zero grads; grads kept as they
+    were), as DCP's ``get_optimizer_state_dict`` does: for a native template, never the
+    wrapper's inner optimizer (it would count a step)."""
     if optimizer.state:
         return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -63,7 +67,6 @@ live_state, set_state, groups_with_own_key = (checkpoint.live_state, checkpoint.
 def assemble(parts, intake) -> dict:
     """The wrapper's state dict (format 4: the window per param, as the DTensor shards
     ``intake.views``), its bookkeeping in agreed form. Collective: every rank calls it."""
-    init_inner_state(parts.optimizer)  # (the DTensor state needs the real optimizer's step)
     weights = parts.window.weights
 
     def agree(own: dict) -> None:

@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from accumkernels._engines import refuse_foreign_engines
-from accumkernels._util import LOW_PRECISION, finite_positive, positive_weight
+from accumkernels._util import LOW_PRECISION, finite_positive
 from accumkernels.checks import check_model
 from accumkernels.optim import protocol
 from accumkernels.optim.config import make_config
@@ -326,8 +326,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self.config.reduction != "weighted":
             raise ValueError(
                 f"add_weight() needs reduction='weighted' (this one is {self.config.reduction!r})")
-        value = positive_weight(weight)
         parts = self._parts
+        value = parts.sync.take_weight(weight)
+        if value is None:  # refused on this rank: every rank raises at the ranks' next agreement
+            return
         parts.window.add_weight(value)
         parts.sync.weight_added()  # DDP: a weight after the sync's agreement is agreed at step()
         if parts.window.complete and not parts.sync.active:

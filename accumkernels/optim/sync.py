@@ -36,6 +36,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from accumkernels._util import positive_weight
 from accumkernels.distributed import WindowReducer, WindowTotals
 
 BOTH_REDUCE = ("AccumulatingOptimizer: process_group= and a DistributedDataParallel model would both "
@@ -104,6 +105,48 @@ class LocalSync:
 
     def weight_added(self) -> None:
         pass
+
+    refused_weight: str | None = None  # (an active sync's: a weight this rank refused)
+
+    def take_weight(self, weight: object) -> float | None:
+        """The value ``add_weight(weight)`` adds to the window. One rank refuses a bad value
+        at once (ValueError). Ranks that agree on the window (an active sync) keep the
+        refusal for their next agreement instead, where every rank raises it alike: raised
+        here alone, the others would wait in the next collective for this one."""
+        if not self.active or world_size() <= 1:
+            return positive_weight(weight)
+        try:
+            return positive_weight(weight)
+        except ValueError as exc:
+            self.refused_weight = self.refused_weight or str(exc)
+            return None
+
+    def any_rank(self, flag: bool, what: str) -> bool:
+        """Whether ``flag`` holds on any of the ranks whose windows this one is reduced with
+        (one small all-reduce with a deadline; a rank alone: its own). For a refusal that
+        every rank must raise alike (a load that would leave the ranks in different windows)."""
+        group = self.agreement_group()
+        if group is False:
+            return flag
+        value = torch.tensor([float(flag)], dtype=torch.float64)
+        work = dist.all_reduce(value, group=group, async_op=True)
+        seconds = self.timeout_s or 300.0
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=seconds))
+        except RuntimeError as exc:
+            raise RuntimeError(f"AccumulatingOptimizer: waited {seconds:g} s for the other "
+                               f"ranks' {what}; every rank must call it") from exc
+        return float(value) > 0
+
+    def agreement_group(self):
+        """The process group the ranks agree over (None: the default one); False: none."""
+        return None if self.rank_local_window() is not None else False
+
+    def weight_state(self) -> tuple[int, str | None]:
+        """What the ranks agree on about the weights: this rank's micro-batches without a
+        weight, and the weight it refused (accumkernels.distributed.check_weights)."""
+        w = self.window
+        return max(0, w.micro_steps - len(w.weights)), self.refused_weight
 
     def finish(self, found_inf: torch.Tensor) -> WindowTotals | None:
         self.gathered()
@@ -199,6 +242,9 @@ class GroupSync(LocalSync):
     def ddp_possible(self) -> bool:
         return False
 
+    def agreement_group(self):
+        return self.reducer.group if self.reducer.world > 1 else False
+
     def backward_begins(self) -> None:
         """A backward after the window's reduction started (or finished) must reach it too:
         the sums become this rank's share (sum / world), summed again at the step."""
@@ -231,20 +277,21 @@ class GroupSync(LocalSync):
 
     def _agree_weight(self, after_backward: bool) -> None:
         """``weighted``: once the window is complete (N given) and every micro-batch's weight
-        is in -- after the N-th backward, or at the ``add_weight`` that completes them -- one
-        small all-reduce agrees on the ranks' weight total and the window is normalised by it,
-        so ``p.grad`` shows the final sum / total weight before ``step()`` (a user's clip)."""
+        is in -- after the N-th backward, or at the ``add_weight`` that completes them -- the
+        ranks agree on the window's bookkeeping (the weight total, and that every rank misses
+        the same number of weights) and the window is normalised by the total, so ``p.grad``
+        shows the final sum / total weight before ``step()`` (a user's clip). It is the same
+        all-reduce as the step's agreement: a rank that skipped an ``add_weight`` meets the
+        others there, and every rank raises."""
         w = self.window
         if not (self.weighted and w.complete) or w.weights_pending():
             return
         if not after_backward and len(w.weights) != w.micro_steps:
             return  # (a weight beyond the window's micro-batches: agreed at the step)
-        device = next(iter(w.storage.buffers), torch.device("cpu"))
-        total = torch.tensor([w.local_weight()], dtype=torch.float64, device=device)
-        self.reducer.wait(dist.all_reduce(total, group=self.reducer.group, async_op=True),
-                          "weight")
-        if float(total) > 0:
-            w.normalise(float(total))
+        totals = self.reducer.agree(w.micro_steps, w.kept, w.local_weight(), _no_inf(w),
+                                    w.held(self.params), self.weight_state())
+        if totals.weight > 0:
+            w.normalise(totals.weight)
 
     def finish(self, found_inf: torch.Tensor) -> WindowTotals:
         """Reduce the window and agree on it; again in the same window (the first wrapper of
@@ -252,10 +299,12 @@ class GroupSync(LocalSync):
         w = self.window
         if self._totals is None:
             self._totals = self.reducer.finish(w.micro_steps, w.kept, w.local_weight(),
-                                               found_inf, w.held(self.params))
+                                               found_inf, w.held(self.params),
+                                               self.weight_state())
         elif self._stale:
             self._totals = self.reducer.agree(w.micro_steps, w.kept, w.local_weight(),
-                                              found_inf, w.held(self.params))
+                                              found_inf, w.held(self.params),
+                                              self.weight_state())
         self._stale = False
         self.gathered()
         return self._totals
@@ -276,6 +325,7 @@ class GroupSync(LocalSync):
 
     def reset(self) -> None:
         self._totals, self._stale = None, False
+        self.refused_weight = None
         self.reducer.reset()
         self.left_round()
 
@@ -304,6 +354,11 @@ class GroupSync(LocalSync):
         self.window, self.params = window, params
         self.reducer = WindowReducer(self.reducer.group, window.storage, timeout_s=timeout)
         self._totals, self._stale = None, False
+
+
+def _no_inf(window) -> torch.Tensor:
+    """A clear non-finite flag on the window's device (an agreement before the step's)."""
+    return torch.zeros((), device=next(iter(window.storage.buffers), torch.device("cpu")))
 
 
 def make_sync(config, process_group, ddp, window, params):

@@ -11,6 +11,8 @@ wrapper's LocalSync once.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -18,13 +20,24 @@ from accumkernels.distributed import WindowReducer, WindowTotals
 from accumkernels.optim.sync import BOTH_REDUCE, GroupSync, LocalSync
 
 
+NO_SYNC_WINDOW = (
+    "AccumulatingOptimizer: a window ended at step() without a DDP sync backward (every "
+    "micro-batch ran under ddp.no_sync(), the window's last one included). The wrapper averaged "
+    "the window over the ranks at step(), so the ranks stay identical, but until then p.grad "
+    "was each rank's own window, as natively without the sync: a clip or a gradient log before "
+    "step() measured this rank's window, not the average DDP's sync would have shown. Run the "
+    "window's last backward outside no_sync(). (Warned once.)")
+
+
 class DDPSync(LocalSync):
     """DistributedDataParallel reduces the window through ``accumkernels.ddp_comm_hook``."""
 
     active = True
 
-    def __init__(self, group, window, params: list[torch.Tensor], flush, found_inf):
+    def __init__(self, group, window, params: list[torch.Tensor], flush, found_inf,
+                 weighted: bool = False):
         super().__init__(independent_ranks=False)
+        self.weighted = weighted  # every step agrees on the weights (see finish)
         self.ddp_group = group
         self.window, self.params = window, params
         self.flush = flush  # moves the pending gradients of given params into the window
@@ -37,6 +50,7 @@ class DDPSync(LocalSync):
         self.clean = False  # no micro-batch since the last DDP sync (totals are current)
         self.stale = False  # ... but a weight was reported after it
         self.totals: WindowTotals | None = None
+        self.warned_no_sync = False  # (NO_SYNC_WINDOW: once per wrapper)
 
     timeout_s = GroupSync.timeout_s
 
@@ -50,6 +64,9 @@ class DDPSync(LocalSync):
 
     def ddp_possible(self) -> bool:
         return True
+
+    def agreement_group(self):
+        return self.ddp_group
 
     def reduce(self, params: list[torch.Tensor]) -> torch.futures.Future:
         """From DDP's comm hook, on a sync backward: average the fp32 window of ``params``."""
@@ -124,22 +141,25 @@ class DDPSync(LocalSync):
     def _agree(self) -> WindowTotals:
         w = self.window
         totals = self.reducer.agree(w.micro_steps, w.kept, w.local_weight(), self.found_inf,
-                                    w.held(self.params))
+                                    w.held(self.params), self.weight_state())
         totals.averaged = True
         return totals
 
     def finish(self, found_inf: torch.Tensor) -> WindowTotals:
         if not self.clean:  # micro-batches no DDP sync reduced (no sync in this window's end)
+            if self.window.micro_steps and not self.warned_no_sync:
+                self.warned_no_sync = True
+                warnings.warn(NO_SYNC_WINDOW, stacklevel=2)
             world = dist.get_world_size(self.ddp_group)
             for flat in self.window.storage.buffers.values():
                 flat.div_(world)
             w = self.window
             self.totals = self.reducer.finish(w.micro_steps, w.kept, w.local_weight(), found_inf,
-                                              w.held(self.params))
+                                              w.held(self.params), self.weight_state())
             self.totals.averaged = True
             self.clean, self.stale = True, False  # reduced: a second call returns the same
-        elif self.stale:
-            self.totals = self._agree()
+        elif self.stale or self.weighted:  # weighted: a weight reported after the sync on
+            self.totals = self._agree()  # one rank only (or skipped) is met here, every step
             self.stale = False
         self.gathered()
         return self.totals
@@ -155,7 +175,7 @@ class DDPSync(LocalSync):
                                                                                float("nan")))
 
     def reset(self) -> None:
-        self.totals = None
+        self.totals, self.refused_weight = None, None
         self.clean = self.stale = self.synced = False
         self.futures = []
         self.reducer.reset()
@@ -184,6 +204,7 @@ def ddp_sync_for(current, group, config, window, params, flush, found_inf) -> DD
             "accumulate_in_backward=True and a nonfinite policy other than "
             "'skip_microbatch' (DDP reduces each gradient during the backward, before a "
             "micro-batch could be dropped)")
-    sync = DDPSync(group, window, params, flush, found_inf)
+    sync = DDPSync(group, window, params, flush, found_inf,
+                   weighted=config.reduction == "weighted")
     sync.stage_norm = current.stage_norm  # (clip_across_stages before DDP was met)
     return sync

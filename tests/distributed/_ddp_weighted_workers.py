@@ -31,10 +31,17 @@ def data(rank: int, w: int, i: int):
     return torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
 
 
+def tokens(rank: int, w: int, i: int, empty: bool) -> int:
+    """The micro-batch's weight; ``empty``: rank 1's second micro-batch of every window is
+    fully masked (no tokens: weight 0, a loss of 0)."""
+    return 0 if empty and rank == 1 and i == 1 else data(rank, w, i)[0].shape[0]
+
+
 def train(*, wrap: bool, weight_first: bool = False, nosync: bool = True,
-          accumulation_steps: int | None = ACCUM, group: bool = False) -> dict:
+          accumulation_steps: int | None = ACCUM, group: bool = False,
+          empty: bool = False) -> dict:
     """``group``: no DDP; the wrapper's ``process_group`` (natively: the loop all-reduces the
-    summed ``.grad`` and divides by the ranks' total weight)."""
+    summed ``.grad`` and divides by the ranks' total weight); ``empty``: see :func:`tokens`."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from accumkernels import AccumulatingOptimizer
@@ -52,16 +59,18 @@ def train(*, wrap: bool, weight_first: bool = False, nosync: bool = True,
         for i in range(ACCUM):
             x, y = data(rank, w, i)
             last = i == ACCUM - 1
+            n = tokens(rank, w, i, empty)
             if wrap and weight_first:
-                opt.add_weight(float(x.shape[0]))
+                opt.add_weight(float(n))
             ctx = ddp.no_sync() if nosync and not last else contextlib.nullcontext()
             with ctx:
-                torch.nn.functional.mse_loss(ddp(x), y, reduction="sum").backward()
+                loss = torch.nn.functional.mse_loss(ddp(x), y, reduction="sum")
+                (loss if n else loss * 0).backward()
             if wrap and not weight_first:
-                opt.add_weight(float(x.shape[0]))
+                opt.add_weight(float(n))
         if not wrap:  # DDP averaged sum(g) over the ranks: times world / the ranks' total
-            total = torch.tensor([float(sum(data(rank, w, i)[0].shape[0]
-                                            for i in range(ACCUM)))], dtype=torch.float64)
+            total = torch.tensor([float(sum(tokens(rank, w, i, empty) for i in range(ACCUM)))],
+                                 dtype=torch.float64)
             dist.all_reduce(total)
             for p in ddp.parameters():
                 if group:  # (the wrapper's process_group sums the window over the ranks)
@@ -75,14 +84,72 @@ def train(*, wrap: bool, weight_first: bool = False, nosync: bool = True,
             "params": [p.detach().clone() for p in ddp.parameters()]}
 
 
+FAULTS = {  # rank 1's add_weight for micro-batch 1 of window 0: skipped, or a bad value
+    "skip_after": ("skip", False), "skip_before": ("skip", True),
+    "negative": (-1.0, False), "nan": (float("nan"), True),
+}
+
+
+def faulty(fault: str, group: bool) -> dict:
+    """One window under DDP (``group``: ``process_group``) in which rank 1 skips one
+    ``add_weight`` or reports a bad weight: what each rank raises, and where."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from accumkernels import AccumulatingOptimizer
+
+    rank = dist.get_rank()
+    bad, weight_first = FAULTS[fault]
+    ddp = mlp() if group else DDP(mlp())
+    reduce = {"process_group": dist.group.WORLD} if group else {"model": ddp}
+    opt = AccumulatingOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1),
+                                accumulation_steps=ACCUM, reduction="weighted", **reduce)
+    opt.collective_timeout = 20.0  # a hang fails the test fast, never passes it
+    where = "step"
+    try:
+        for i in range(ACCUM):
+            x, y = data(rank, 0, i)
+            weight = bad if rank == 1 and i == 1 else float(x.shape[0])
+            where = f"add_weight {i}"
+            if weight_first and weight != "skip":
+                opt.add_weight(weight)
+            where = f"backward {i}"
+            ctx = ddp.no_sync() if i < ACCUM - 1 and not group else contextlib.nullcontext()
+            with ctx:
+                torch.nn.functional.mse_loss(ddp(x), y, reduction="sum").backward()
+            where = f"add_weight {i}"
+            if not weight_first and weight != "skip":
+                opt.add_weight(weight)
+        where = "clip"
+        norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP).item()
+        where = "step"
+        opt.step()
+        return {"error": None, "norm": norm}
+    except Exception as exc:  # noqa: BLE001 - the test reads the type, message and place
+        return {"error": f"{type(exc).__name__}: {exc}", "where": where}
+
+
+def fault_scenarios() -> dict:
+    out = {}
+    for group in (False, True):
+        for fault in FAULTS:
+            out[("group_" if group else "") + fault] = faulty(fault, group)
+            dist.barrier()
+    return out
+
+
 def scenarios() -> dict:
     out = {"native": train(wrap=False), "native_sync_each": train(wrap=False, nosync=False),
-           "native_group": train(wrap=False, group=True)}
+           "native_group": train(wrap=False, group=True),
+           "native_empty": train(wrap=False, empty=True),
+           "native_group_empty": train(wrap=False, group=True, empty=True)}
     for name, kw in {"after": {}, "before": {"weight_first": True},
                      "after_sync_each": {"nosync": False},
                      "after_none": {"accumulation_steps": None},
                      "group_after": {"group": True},
-                     "group_before": {"group": True, "weight_first": True}}.items():
+                     "group_before": {"group": True, "weight_first": True},
+                     "empty_after": {"empty": True},
+                     "empty_before": {"empty": True, "weight_first": True},
+                     "group_empty_after": {"group": True, "empty": True}}.items():
         out[name] = train(wrap=True, **kw)
     return out
 
@@ -90,8 +157,8 @@ def scenarios() -> dict:
 def _rank_main(rank: int, out_dir: str, name: str, kwargs: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    run_scenario(rank, out_dir, 2, scenarios)
+    run_scenario(rank, out_dir, 2, fault_scenarios if name == "faults" else scenarios)
 
 
-def run_ranks(tmp_path, timeout: float = 150.0) -> list[dict]:
-    return spawn_ranks(_rank_main, str(tmp_path), "ddp_weighted", {}, 2, timeout)
+def run_ranks(tmp_path, timeout: float = 150.0, name: str = "ddp_weighted") -> list[dict]:
+    return spawn_ranks(_rank_main, str(tmp_path), name, {}, 2, timeout)

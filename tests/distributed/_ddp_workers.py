@@ -540,6 +540,45 @@ def scenario_written_nonfinite(rank: int) -> dict:
     return out
 
 
+def scenario_no_sync_forgotten(rank: int) -> dict:
+    """``no_sync()`` on every micro-batch, the window's last one included, ``model=ddp``, a
+    user's clip before ``step()``; two windows. Native's loop: the same, then the clipped
+    ``.grad`` averaged over the ranks by hand (what the wrapper does at ``step()``)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from accumkernels import AccumulatingOptimizer
+
+    out: dict = {}
+    for wrap in (False, True):
+        ddp = DDP(mlp())
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        if wrap:
+            opt = AccumulatingOptimizer(opt, accumulation_steps=ACCUM, model=ddp)
+        grads, norms = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2):
+                for i in range(ACCUM):
+                    x, y = micro_batch(rank, step, i)
+                    with ddp.no_sync():
+                        loss_fn(ddp(x), y).backward()
+                grads.append([p.grad.detach().clone() for p in ddp.parameters()])
+                norms.append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP))
+                if not wrap:
+                    for p in ddp.parameters():
+                        p.grad.div_(dist.get_world_size())
+                        dist.all_reduce(p.grad)
+                opt.step()
+                opt.zero_grad()
+        out["ours" if wrap else "native"] = {
+            "grads": grads, "norms": norms, "params": snapshot(ddp.module),
+            "warned": [str(w.message) for w in caught if "no_sync" in str(w.message)]}
+    return out
+
+
 def ddp_ctx(net, sync: bool):
     """DDP's ``no_sync`` on all but the window's last micro-batch (no-op without DDP)."""
     if sync or not hasattr(net, "no_sync"):
@@ -556,6 +595,7 @@ SCENARIOS = {
     "nanogpt": scenario_nanogpt,
     "no_ddp": scenario_no_ddp,
     "fsdp2": scenario_fsdp2,
+    "no_sync_forgotten": scenario_no_sync_forgotten,
 }
 
 

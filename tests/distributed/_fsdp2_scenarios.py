@@ -266,3 +266,37 @@ def scenario_nonfinite(world: int) -> dict:
         opt.zero_grad()
         params.append(_params(model))
     return {"skipped": opt.skipped_steps, "params": params}
+
+
+def scenario_weight_faults(world: int) -> dict:
+    """``reduction="weighted"``, one window: rank 1 skips its ``add_weight`` for micro-batch 1
+    (after or before the backwards), or reports a negative weight. What each rank raises (a
+    collective timeout of 20 s: a hang fails fast)."""
+    from accumkernels import AccumulatingOptimizer
+
+    rank = dist.get_rank()
+    out = {}
+    for fault, first in (("skip_after", False), ("skip_before", True), ("negative", False)):
+        model = build((world,))
+        opt = AccumulatingOptimizer(make_inner(model, "sgd"), accumulation_steps=ACCUM,
+                                    model=model, reduction="weighted")
+        opt.collective_timeout = 20.0
+        try:
+            for i in range(ACCUM):
+                value = -1.0 if fault == "negative" else None
+                value = value if rank == 1 and i == 1 else 4.0 + i
+                if first and value is not None:
+                    opt.add_weight(value)
+                x, y = micro_batch(rank, 0, i)
+                torch.nn.functional.mse_loss(model(x, use_extra=True).float(), y,
+                                             reduction="sum").backward()
+                if not first and value is not None:
+                    opt.add_weight(value)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            out[fault] = None
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+            out[fault] = f"{type(exc).__name__}: {exc}"
+        opt.remove_hooks()
+        dist.barrier()
+    return out

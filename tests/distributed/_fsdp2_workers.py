@@ -134,7 +134,7 @@ def local_grads(model) -> list:
 def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", clip: str = "user",
           reduction: str = "sum", weights: bool = False, unused: bool = True,
           wire: bool = False, outside_clear: bool = False, tp: bool = False,
-          weight_first: bool = False) -> dict:
+          weight_first: bool = False, empty: bool = False) -> dict:
     """Three windows of ACCUM micro-batches; ``nosync``: "" (sync every micro-batch), "grad"
     (set_requires_gradient_sync) or "allreduce" (HSDP set_requires_all_reduce); ``clip``:
     "user" (clip_grad_norm_ before step) or "wrapper" (max_grad_norm); ``unused``: ``extra``
@@ -142,7 +142,8 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
     its running sum changes size); ``wire``: the opt-in bf16-wire reduce-scatter;
     ``outside_clear``: ``model.zero_grad()`` after each window's first micro-batch (natively that
     drops it; the wrapper, with ``accumulation_steps=None``, must too); ``tp``: TPNet on a
-    (dp, tp) mesh; ``weight_first``: ``add_weight`` before each backward (else after).
+    (dp, tp) mesh; ``weight_first``: ``add_weight`` before each backward (else after);
+    ``empty``: rank 1's second micro-batch of each window has no tokens (weight 0, loss 0).
     Weighted: the native loop divides by the weight total right after the last backward, so
     the gradients of that micro-batch compare with the wrapper's final ones."""
     from accumkernels import AccumulatingOptimizer
@@ -163,6 +164,9 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
             if hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+    def weight_of(r: int, k: int) -> float:
+        return 0.0 if empty and r == 1 and k == 1 else weight(r, k)
+
     grads, norms = [], []
     for w in range(WINDOWS):
         for i in range(ACCUM):
@@ -173,17 +177,17 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
                 model.set_requires_all_reduce(last)
             x, y = micro_batch(rank, w, i)
             if wrap and weights and weight_first:
-                opt.add_weight(weight(rank, i))
+                opt.add_weight(weight_of(rank, i))
             pred = model(x, use_extra=not unused or (w + i) % 2 == 0).float()
             loss = torch.nn.functional.mse_loss(pred, y,
                                                 reduction="sum" if weights else "mean")
-            loss.backward()
+            (loss * 0 if weights and not weight_of(rank, i) else loss).backward()
             if wrap and weights and not weight_first:
-                opt.add_weight(weight(rank, i))
+                opt.add_weight(weight_of(rank, i))
             if outside_clear and i == 0:
                 model.zero_grad()
             if not wrap and weights and last:  # natively: divide by the replicas' weights
-                total = sum(weight(r, k) for r in range(replicas) for k in range(ACCUM))
+                total = sum(weight_of(r, k) for r in range(replicas) for k in range(ACCUM))
                 torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None],
                                     1.0 / total)
             grads.append(local_grads(model))

@@ -71,3 +71,51 @@ def scenario_tp_refusals(world: int) -> dict:
         out[name + "_trains"] = any(not torch.equal(a, p.detach().full_tensor())
                                     for a, p in zip(before, model.parameters()))
     return out
+
+
+def scenario_tp_resume(world: int) -> dict:
+    """FSDP2 + TP (dp 2 x tp 2), a window of 2: ``state_dict()`` after its first backward,
+    deep-copied and loaded into a fresh wrapper over a freshly built model (same init), the
+    window finished and stepped. Returns, per (reduction, inner optimizer), this rank's local
+    param shards of the uninterrupted run, of the run that saved and went on, and of the
+    resumed one."""
+    import copy
+
+    from accumkernels import AccumulatingOptimizer
+    from _fsdp2_workers import build_tp, dp_rank_and_size, micro_batch, weight
+
+    def make(reduction: str, inner: str):
+        model = build_tp((2, 2))
+        opt = (torch.optim.AdamW(model.parameters(), lr=0.01) if inner == "adamw"
+               else torch.optim.SGD(model.parameters(), lr=0.01))
+        return model, AccumulatingOptimizer(opt, model=model, accumulation_steps=2,
+                                            reduction=reduction)
+
+    def backward(model, opt, reduction: str, i: int) -> None:
+        rank, _ = dp_rank_and_size(model)
+        x, y = micro_batch(rank, 0, i)
+        torch.nn.functional.mse_loss(model(x).float(), y, reduction="sum").backward()
+        if reduction == "weighted":
+            opt.add_weight(weight(rank, i))
+
+    def local(model) -> list:
+        return [p.detach().to_local().clone() for p in model.parameters()]
+
+    out = {}
+    for reduction, inner in (("sum", "adamw"), ("weighted", "adamw"), ("weighted", "sgd")):
+        runs = {}
+        for run in ("straight", "saved", "resumed"):
+            model, opt = make(reduction, inner)
+            backward(model, opt, reduction, 0)
+            if run != "straight":
+                sd = copy.deepcopy(opt.state_dict())
+            if run == "resumed":
+                opt.remove_hooks()
+                model, opt = make(reduction, inner)
+                opt.load_state_dict(sd)
+            backward(model, opt, reduction, 1)
+            opt.step()
+            runs[run] = local(model)
+            opt.remove_hooks()
+        out[f"{reduction}_{inner}"] = runs
+    return out

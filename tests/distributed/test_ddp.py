@@ -252,3 +252,23 @@ def test_nonfinite_written_on_one_rank_is_agreed(tmp_path):
         for policy in ("skip_step", "raise"):
             a, b = (results[k][f"{mode}_{policy}"]["params"][-1] for k in (0, 1))
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{mode}, {policy}: diverged"
+
+
+def test_a_window_without_a_sync_backward_warns_once_and_keeps_the_ranks_together(tmp_path):
+    """``no_sync()`` on every micro-batch (the last one forgotten): until ``step()`` ``p.grad``
+    is each rank's own window, as natively without the sync (a clip measures it, bit for bit
+    native's); ``step()`` averages the window over the ranks, so they stay identical (natively
+    they would drift apart), equal to native's loop that averages the clipped ``.grad`` by hand;
+    one warning per wrapper, on every rank, names the forgotten sync."""
+    results = run_ranks(tmp_path, "no_sync_forgotten", timeout=120)
+    for rank, r in enumerate(results):
+        ours, native = r["ours"], r["native"]
+        for a, b in zip(ours["grads"], native["grads"]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), rank
+        assert all(torch.equal(a, b) for a, b in zip(ours["norms"], native["norms"])), rank
+        for a, b in zip(ours["params"], native["params"]):
+            assert (a - b).abs().max().item() <= 1e-6 * b.abs().max().item(), rank
+        assert len(ours["warned"]) == 1 and "no_sync" in ours["warned"][0], (rank, ours["warned"])
+        assert not native["warned"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["ours"]["params"],
+                                                 results[1]["ours"]["params"]))

@@ -6,7 +6,9 @@ window's sync backward each rank's window is its own; frameworks save rank 0's o
 * every rank saving and loading its own state dict resumes exactly (bit-identical to not
   stopping, fp32, 2 and 4 gloo ranks, DDP, K=4);
 * rank 0's state dict loaded on rank 1 is refused with a ValueError naming the problem, before
-  anything changes (loading it would silently replace rank 1's part of the window by rank 0's);
+  anything changes (loading it would silently replace rank 1's part of the window by rank 0's),
+  and rank 0 refuses it too (the ranks agree), so no rank trains on alone; so is a mid-window
+  checkpoint through DCP (``get_state_dict`` + ``dcp.save``: each key written from one rank);
   ``state_dict()`` warns when it holds a rank-local window;
 * after the sync backward (the window averaged, the same on every rank) rank 0's state dict
   resumes on every rank, exactly.
@@ -106,7 +108,38 @@ def resumed_after_sync(rank: int) -> dict:
     return {"params": snapshot(model), "warned": bool(caught)}
 
 
-def scenario(rank: int) -> dict:
+def through_dcp(rank: int, ckpt: str) -> dict:
+    """Window 0, then 2 micro-batches of window 1; ``get_state_dict(ddp, opt)`` and
+    ``dcp.save`` (each key written once, from one rank); a fresh model and wrapper load it
+    through a template built inside ``opt.window_template()`` and ``set_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, ddp, opt = build()
+    for i in range(K):
+        micro_batch(ddp, opt, rank, 0, i)
+    for i in range(2):
+        micro_batch(ddp, opt, rank, 1, i)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the rank-local window's warning)
+        msd, osd = get_state_dict(ddp, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    model, ddp, opt = build()
+    with opt.window_template():
+        msd, osd = get_state_dict(ddp, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    out: dict = {}
+    try:
+        set_state_dict(ddp, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    except ValueError as exc:
+        out.update(refused=str(exc), micro_steps=opt.micro_steps)
+    dist.barrier()
+    return out
+
+
+def scenario(rank: int, ckpt: str) -> dict:
     model, ddp, opt = build()
     for window in range(2):
         for i in range(K):
@@ -115,13 +148,15 @@ def scenario(rank: int) -> dict:
     for name, cut, source in (("own", 2, None), ("rank0_mid", 2, 0), ("rank0_synced", K - 1, 0)):
         out[name] = resumed(rank, cut, source)
     out["after_sync"] = resumed_after_sync(rank)
+    out["dcp"] = through_dcp(rank, ckpt)
     return out
 
 
 def _rank_main(rank: int, out_dir: str, name: str, kwargs: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    run_scenario(rank, out_dir, kwargs["world"], lambda: scenario(rank))
+    run_scenario(rank, out_dir, kwargs["world"],
+                 lambda: scenario(rank, os.path.join(out_dir, "dcp")))
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
@@ -151,9 +186,12 @@ def build_initial() -> list[torch.Tensor]:
     return snapshot(model)
 
 
-def test_rank0_mid_window_state_dict_is_refused_on_other_ranks(ranks):
+def test_rank0_mid_window_state_dict_is_refused_on_every_rank(ranks):
+    """Refused where it is not the rank's own (naming it), and on rank 0 too: a rank that
+    loaded would train on into collectives the others never reach."""
     r0 = ranks[0]["rank0_mid"]
-    assert "refused" not in r0 and same(r0["params"], ranks[0]["straight"])
+    assert "refuses it too" in r0.get("refused", ""), r0.get("refused")
+    assert r0["micro_steps"] == 0 and r0["window_empty"]
     for rank, res in enumerate(ranks[1:], start=1):
         run = res["rank0_mid"]
         assert "refused" in run, f"rank {rank} silently took rank 0's window"
@@ -162,9 +200,20 @@ def test_rank0_mid_window_state_dict_is_refused_on_other_ranks(ranks):
         assert run["micro_steps"] == 0 and run["window_empty"]  # nothing changed
 
 
+def test_a_mid_window_dcp_checkpoint_is_refused_on_every_rank(ranks):
+    """``get_state_dict(ddp, opt)`` + ``dcp.save`` in the middle of a window: DCP writes each
+    key once, from one rank, so no rank gets its own window back. Every rank refuses it alike
+    (ValueError), nothing loaded; none trains on with a window mixed from the ranks'."""
+    for rank, res in enumerate(ranks):
+        run = res["dcp"]
+        assert "refused" in run, f"rank {rank} loaded a window mixed from the ranks'"
+        assert "load_state_dict" in run["refused"] and "window" in run["refused"]
+        assert run["micro_steps"] == 0, rank
+
+
 def test_rank0_state_dict_taken_before_the_sync_micro_batch_is_refused_too(ranks):
     """Cut before the last micro-batch: still rank-local (the sync backward has not run)."""
-    assert all("refused" in res["rank0_synced"] for res in ranks[1:])
+    assert all("refused" in res["rank0_synced"] for res in ranks)
 
 
 def test_after_the_sync_backward_rank0_state_dict_resumes_every_rank(ranks):

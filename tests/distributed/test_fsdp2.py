@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _fsdp2_scenarios import (scenario_memory, scenario_nonfinite, scenario_refusals,
+                              scenario_weight_faults,
                               scenario_resume, scenario_resume_other_world, scenario_wire_bound,
                               scenario_wire_pair, scenario_written_nonfinite)
 from _fsdp2_workers import ACCUM, CLIP, WINDOWS, run_ranks
@@ -47,6 +48,12 @@ TWO_RANKS = {
     "written_nonfinite": {"fn": scenario_written_nonfinite},
     "outside_clear": {"outside_clear": True},
 }
+WEIGHTS = {  # (a launch of its own: its scenarios raise, or did)
+    "weighted_empty": {"reduction": "weighted", "weights": True, "empty": True},
+    "weighted_first_empty": {"reduction": "weighted", "weights": True, "empty": True,
+                             "weight_first": True},
+    "faults": {"fn": scenario_weight_faults},
+}
 FOUR_RANKS = {
     "uneven_empty": {},
     "hsdp": {"hsdp": True, "clip": "wrapper"},
@@ -66,6 +73,11 @@ def checkpoint_dir(tmp_path_factory):
 def two(tmp_path_factory, checkpoint_dir):
     scenarios = {**TWO_RANKS, "resume": {"fn": scenario_resume, "ckpt": checkpoint_dir}}
     return run_ranks(tmp_path_factory.mktemp("fsdp2_w2"), 2, scenarios, timeout=200)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    return run_ranks(tmp_path_factory.mktemp("fsdp2_weights"), 2, WEIGHTS, timeout=200)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +132,25 @@ def check_pair(result: dict, name: str, *, scale: float | None = None,
 def test_two_ranks_bit_identical_to_native(two, name):
     for rank, results in enumerate(two):
         check_pair(results[name], f"{name}, rank {rank}")
+
+
+@pytest.mark.parametrize("name", ["weighted_empty", "weighted_first_empty"])
+def test_a_micro_batch_without_tokens_is_weight_zero_as_natively(weights, name):
+    """Rank 1's second micro-batch of every window has no tokens: ``add_weight(0)`` is
+    accepted and the ranks stay in lockstep, bit-identical to native FSDP2's per-token mean."""
+    for rank, results in enumerate(weights):
+        check_pair(results[name], f"{name}, rank {rank}")
+
+
+@pytest.mark.parametrize("fault", ["skip_after", "skip_before", "negative"])
+def test_ranks_that_disagree_on_weights_raise_alike(weights, fault):
+    """Rank 1 skips one ``add_weight`` or reports a negative weight: every rank raises the same
+    error at the mesh's next agreement, long before any process group's own timeout."""
+    kind, needle = (("RuntimeError", "disagree on the weights") if fault.startswith("skip")
+                    else ("ValueError", "negative or non-finite"))
+    for rank, results in enumerate(weights):
+        msg = results["faults"][fault]
+        assert msg is not None and msg.startswith(kind) and needle in msg, (fault, rank, msg)
 
 
 def test_mean_divides_native_window_by_n(two):

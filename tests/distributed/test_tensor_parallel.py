@@ -7,6 +7,8 @@ ranks"), on gloo ranks under a deadline.
 * FSDP2 + TP (mesh dp=2 x tp=2, torchtitan's order: parallelize_module, then fully_shard over
   "dp"): sum and mean as native FSDP2 + TP; weighted: the TP ranks compute the same micro-batch
   and count its weight once, so the step (and a user's clip before it) is native's;
+* FSDP2 + TP: a state dict taken in the middle of a window resumes bit for bit (AdamW, SGD;
+  sum and weighted);
 * FSDP2 (2 ranks, test_fsdp2.py) and HSDP 2x2 (here): after the N-th backward ``p.grad`` is the
   final sum / total weight, whether ``add_weight`` comes before or after each backward, so a
   user's ``clip_grad_norm_`` before ``step()`` measures native's.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _fsdp2_workers import run_ranks
-from _tp_workers import scenario_tp_refusals
+from _tp_workers import scenario_tp_refusals, scenario_tp_resume
 from test_fsdp2 import check_pair
 
 pytest.importorskip("torch.distributed.tensor.parallel", reason="no tensor parallel")
@@ -36,6 +38,7 @@ FOUR_RANKS = {
     "hsdp_weighted": {"hsdp": True, "reduction": "weighted", "weights": True},
     "hsdp_weighted_first": {"hsdp": True, "reduction": "weighted", "weights": True,
                             "weight_first": True},
+    "tp_resume": {"fn": scenario_tp_resume},
 }
 
 
@@ -69,6 +72,20 @@ def test_tp_ranks_of_one_replica_agree(four):
         for d in range(2):
             a, b = (four[2 * d + t][name]["ours"]["params"] for t in range(2))
             assert all(torch.equal(x, y) for x, y in zip(a, b)), name
+
+
+@pytest.mark.parametrize("case", ["sum_adamw", "weighted_adamw", "weighted_sgd"])
+def test_tp_mid_window_resume_is_bit_identical(four, case):
+    """A state dict taken after the window's first backward and loaded into a fresh wrapper over
+    a fresh model resumes exactly; so does the run that saved it and went on (taking the state
+    dict must not step the inner optimizer: AdamW's step count would be off by one). Weighted:
+    the saved weight share counts each micro-batch once per data-parallel replica, whatever the
+    tensor-parallel degree."""
+    for rank, results in enumerate(four):
+        runs = results["tp_resume"][case]
+        for run in ("saved", "resumed"):
+            assert all(torch.equal(a, b) for a, b in zip(runs[run], runs["straight"],
+                                                         strict=True)), (case, run, rank)
 
 
 @pytest.mark.parametrize("case", ["model", "no_model", "process_group", "independent_ranks",

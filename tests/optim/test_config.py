@@ -142,11 +142,10 @@ def test_meta_and_duplicated_params_are_rejected():
 
 
 @pytest.mark.parametrize("weight,error,message", [
-    (NAN, ValueError, "weight must be finite and positive"),
-    (INF, ValueError, "weight must be finite and positive"),
-    (0, ValueError, "weight must be finite and positive"),
-    (-3.0, ValueError, "weight must be finite and positive"),
-    (torch.tensor(-1.0), ValueError, "weight must be finite and positive"),
+    (NAN, ValueError, "weight must be finite and not negative"),
+    (INF, ValueError, "weight must be finite and not negative"),
+    (-3.0, ValueError, "weight must be finite and not negative"),
+    (torch.tensor(-1.0), ValueError, "weight must be finite and not negative"),
     (True, TypeError, "weight must be a number"),
     ("3", TypeError, "weight must be a number"),
     (None, TypeError, "weight must be a number"),
@@ -155,6 +154,24 @@ def test_bad_weight(weight, error, message):
     opt = wrap_sgd(make_model(), reduction="weighted")
     with pytest.raises(error, match=message):
         opt.add_weight(weight)
+
+
+def test_a_micro_batch_of_weight_zero_contributes_nothing():
+    """A micro-batch without tokens (weight 0, a zero loss-sum gradient) is accepted: the
+    step is Σ g / Σ w over the others, as natively."""
+    model = make_model()
+    native = [torch.zeros_like(p) for p in model.parameters()]
+    (x, y), = batches(1, 4)
+    mse(model, x, y).backward()
+    torch._foreach_add_(native, [p.grad / 4.0 for p in model.parameters()])
+    model.zero_grad()
+    opt = wrap_sgd(model, reduction="weighted", accumulation_steps=2)
+    (mse(model, x, y) * 0).backward()
+    opt.add_weight(0)
+    mse(model, x, y).backward()
+    opt.add_weight(torch.tensor(4.0))
+    for p, g in zip(model.parameters(), native):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=0)
 
 
 def test_weight_needs_weighted_reduction_and_weighted_needs_weights():
