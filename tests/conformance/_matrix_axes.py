@@ -310,9 +310,12 @@ MULTI_CONSTRAINTS = [
                                                                         "weighted-after"])),
     # step() on one rank only ends that rank's window only without N (with N it is a no-op)
     _implies(_f("ranks", "eq", "extra-step"), _f("accum", "eq", "None")),
-    # no_sync() on every micro-batch is DDP's (N given: the window's last backward is known)
+    # no_sync() on every micro-batch is DDP's (N given: the window's last backward is known);
+    # static_graph refuses no_sync natively; a user's clip before step() then measures each
+    # rank's own window, as natively (the README: the wrapper averages at step() and warns)
     _implies(_f("ranks", "eq", "no_sync-all"), {"operator": "and", "conditions": [
-        _f("layout", "eq", "ddp"), _f("accum", "eq", "N")]}),
+        _f("layout", "eq", "ddp"), _f("accum", "eq", "N"), _f("clip", "ne", "user"),
+        _f("engine", "ne", "ddp-static-graph")]}),
 ]
 
 

@@ -143,7 +143,10 @@ def train(case: dict, wrap: bool) -> list[dict]:
             if acts == "zero-weight" and at_odd:
                 weight = 0.0
             weights.append(weight)
-            sync = (last and not (wrap and acts == "no_sync-all")) or layout != "ddp"
+            # (torch's reducer refuses no_sync() under static_graph natively, an internal assert
+            # 'expect_autograd_hooks_': a static-graph job syncs every micro-batch)
+            sync = (last and not (wrap and acts == "no_sync-all")) or layout != "ddp" \
+                or case.get("engine") == "ddp-static-graph"
             ctx = net.no_sync() if not sync else _null()
             report = wrap and weighted and not (acts == "missing-weight" and at_odd)
             with ctx:
