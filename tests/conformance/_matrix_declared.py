@@ -77,7 +77,7 @@ MEMBERS = {
     "step(closure)": ex("a closure optimizer (LBFGS) evaluates the loss several times inside "
                         "one step: no window of micro-batches for the matrix's loop; every "
                         "wrapper option with a closure is tested against native there",
-                        "tests/optim/test_closure.py", "LBFGS"),
+                        "tests/optim/test_ways_in.py", "LBFGS"),
     "train": ex("passes through to the inner optimizer (schedule-free optimizers)", OPT_SUITE,
                 "test_train_eval_pass_through"),
     "eval": ex("passes through to the inner optimizer (schedule-free optimizers)", OPT_SUITE,
@@ -181,7 +181,7 @@ OPTIMIZERS = {
     "Adadelta.foreach": ax("single.optimizer=adadelta-foreach"),
     "Adafactor": ax("single.optimizer=adafactor-forloop"),
     "LBFGS": ex("a closure optimizer: every wrapper option with step(closure) against native",
-                "tests/optim/test_closure.py", "LBFGS"),
+                "tests/optim/test_ways_in.py", "LBFGS"),
     "SparseAdam": ex("sparse gradients: refused at construction by name", OPT_SUITE, "sparse"),
     "Muon": ex("2-D params only (no biases, no convolutions): the matrix's models have 1-D "
                "params; its optim_db configs run against native",

@@ -94,10 +94,12 @@ RANKS = {
     "no_sync-on-every-microbatch": ax("multi.ranks=no_sync-all"),
     "dcp-checkpoint-ddp": ex("a mid-window DCP checkpoint under DDP: every rank's window saved "
                              "and resumed exactly, or refused alike on every rank",
-                             "tests/distributed/test_ddp_checkpoint.py", "dcp"),
+                             "tests/distributed/test_ddp_checkpoint.py",
+                             "test_a_mid_window_dcp_checkpoint_is_refused_on_every_rank"),
     "dcp-checkpoint-fsdp2": ex("a mid-window DCP checkpoint under FSDP2, resharded",
                                "tests/distributed/test_fsdp2_checkpoint.py", "dcp"),
     "dcp-checkpoint-fsdp2-tp": ex("a mid-window checkpoint under FSDP2 + TP, every inner "
-                                  "optimizer", "tests/distributed/test_fsdp2_checkpoint.py",
-                                  "tp"),
+                                  "optimizer, bit-identical to the uninterrupted run",
+                                  "tests/distributed/test_tensor_parallel.py",
+                                  "test_tp_mid_window_resume_is_bit_identical"),
 }
