@@ -11,6 +11,7 @@ from accumkernels.master_step import master_adam_step_, master_sgd_step_
 from accumkernels.ops import accumulate_, available_backends
 from accumkernels.optim import AccumulatingOptimizer
 from accumkernels.optim.ddp import ddp_comm_hook
+from accumkernels.optimizers import accumulating
 from accumkernels.wgrad import fuse_wgrad_accumulation
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "MasterGradBuffer",
     "MicroBatchSearch",
     "accumulate_",
+    "accumulating",
     "available_backends",
     "check_model",
     "ddp_comm_hook",

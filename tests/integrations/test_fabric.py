@@ -63,7 +63,8 @@ def test_fabric_one_process_equals_native(tmp_path):
 def test_fabric_ddp_two_ranks_equals_native(tmp_path):
     """2 gloo ranks, ``strategy="ddp"``: the one line and the by-name class through it (the comm
     hook on Fabric's DDP module) bit-identical to native DDP, ranks agreeing; the recipe by hand
-    given to ``setup`` too, and refused at its first step without it; a mid-window checkpoint refused where it is not the rank's own window."""
+    given to ``setup`` too, and refused at its first step without it; a mid-window checkpoint
+    refused where it is not the rank's own window."""
     results = workers.run_fabric_ranks(tmp_path)
     for rank, res in enumerate(results):
         _check(res, f"fabric ddp, rank {rank}")
