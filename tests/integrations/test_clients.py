@@ -28,13 +28,13 @@ REPO = HERE.parent.parent
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]))
-    return env
+    return dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1",
+                HF_DATASETS_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]))
 
 
 def _run(argv: list[str], cwd: Path) -> None:
-    proc = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
+    env = dict(_env(), HF_DATASETS_CACHE=str(cwd / "hf-datasets"))
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, f"{argv} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
@@ -128,3 +128,117 @@ def test_litgpt_pretrain_optimizer_by_name(tmp_path):
             key = f"{'fp32' if precision == '32-true' else 'bf16'}_{label}"
             runs[key] = {k: v.float() for k, v in state["model"].items()}
     _compare(runs, "litgpt pretrain")
+
+
+# -- torchtune full_finetune_single_device ---------------------------------------------------------
+TUNE_CONFIG = """\
+output_dir: {out}
+tokenizer:
+  _component_: torchtune.models.llama2.llama2_tokenizer
+  path: {tokenizer}
+  max_seq_len: 24
+  prompt_template: null
+dataset:
+  _component_: torchtune.datasets.text_completion_dataset
+  source: text
+  data_files: {data}
+  column: text
+  split: train
+seed: 0
+shuffle: False
+model:
+  _component_: torchtune.models.llama2.llama2
+  vocab_size: 96
+  num_layers: 2
+  num_heads: 2
+  num_kv_heads: 2
+  embed_dim: 32
+  max_seq_len: 32
+  intermediate_dim: 64
+checkpointer:
+  _component_: torchtune.training.FullModelMetaCheckpointer
+  checkpoint_dir: {checkpoint}
+  checkpoint_files: [model.pth]
+  recipe_checkpoint: null
+  output_dir: {out}
+  model_type: LLAMA2
+resume_from_checkpoint: False
+batch_size: 2
+epochs: 1
+max_steps_per_epoch: 4
+gradient_accumulation_steps: 4
+optimizer:
+  _component_: {optimizer}
+  lr: 2.0e-3
+optimizer_in_bwd: False
+loss:
+  _component_: torchtune.modules.loss.CEWithChunkedOutputLoss
+clip_grad_norm: 1.0
+compile: False
+device: cpu
+dtype: {dtype}
+enable_activation_checkpointing: False
+enable_activation_offloading: False
+metric_logger:
+  _component_: torchtune.training.metric_logging.DiskLogger
+  log_dir: {out}/logs
+log_every_n_steps: 1
+log_peak_memory_stats: False
+profiler:
+  _component_: torchtune.training.setup_torch_profiler
+  enabled: False
+"""
+
+
+def _tune_inputs(work: Path) -> dict:
+    """A SentencePiece tokenizer trained on the made-up text, the text (one sample a line) and a
+    random tiny llama2 checkpoint in Meta's format."""
+    import random
+
+    import sentencepiece
+    from torchtune.models.convert_weights import tune_to_meta
+    from torchtune.models.llama2 import llama2
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 6)))
+             for _ in range(60)]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) for _ in range(64)]
+    data = work / "text.txt"
+    data.write_text("\n".join(lines) + "\n")
+    prefix = work / "tokenizer"
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(data), model_prefix=str(prefix), vocab_size=96, model_type="bpe",
+        hard_vocab_limit=False, minloglevel=2)
+    checkpoint = work / "checkpoint"
+    checkpoint.mkdir()
+    torch.manual_seed(0)
+    model = llama2(vocab_size=96, num_layers=2, num_heads=2, num_kv_heads=2, embed_dim=32,
+                   max_seq_len=32, intermediate_dim=64)
+    torch.save(tune_to_meta(model.state_dict()), checkpoint / "model.pth")
+    return {"tokenizer": f"{prefix}.model", "data": data, "checkpoint": checkpoint}
+
+
+def test_torchtune_full_finetune_single_device_optimizer_by_name(tmp_path):
+    """``tune run full_finetune_single_device --config``: 4 steps of 4 micro-batches
+    (``gradient_accumulation_steps: 4``; the recipe sums token-weighted losses and scales
+    ``p.grad`` by 1/tokens before clipping at 1.0), ``optimizer._component_`` naming the wrapper."""
+    pytest.importorskip("torchtune")
+    pytest.importorskip("sentencepiece")
+    inputs = _tune_inputs(tmp_path)
+    tune = Path(sys.executable).with_name("tune")
+    runs = {"start": torch.load(inputs["checkpoint"] / "model.pth")}
+    for dtype in ("fp32", "bf16"):
+        for label, optimizer in (("native", "torch.optim.AdamW"),
+                                 ("ours", "accumkernels.optimizers.AdamW")):
+            out = tmp_path / f"{dtype}-{label}"
+            config = tmp_path / f"{dtype}-{label}.yaml"
+            config.write_text(TUNE_CONFIG.format(out=out, optimizer=optimizer, dtype=dtype,
+                                                 **inputs))
+            _run([str(tune), "run", "full_finetune_single_device", "--config", str(config)],
+                 tmp_path)
+            saved = sorted((out / "epoch_0").glob("*.pt*")) + sorted((out / "epoch_0").glob(
+                "*.bin"))
+            assert saved, f"no checkpoint in {out / 'epoch_0'}"
+            state = torch.load(saved[0], weights_only=False)
+            runs[f"{dtype}_{label}"] = {k: v.float() for k, v in state.items()}
+    _compare(runs, "torchtune full_finetune_single_device")
