@@ -118,3 +118,34 @@ compat: $(VENV)/.installed
 	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.11.0"; exit 2; }
 	$(MAKE) --no-print-directory compat-venv-$(TORCH)
 	PYTHONPATH=$(CURDIR) $(call cvenv,$(TORCH))/bin/python -m pytest -p no:cacheprovider $(ARGS)
+
+# -- config-driven training stacks (make clients) -----------------------------------------------
+# litgpt's `pretrain` and torchtune's `full_finetune_single_device` run end to end with the
+# optimizer named in their config, and torchao's low-bit and schedulefree's optimizers run through
+# the wrapper, in a venv of their own beside the compat venvs (the [test] and [clients] extras,
+# torch pinned to CLIENTS_TORCH so that no client replaces it). Installing it the first time
+# takes minutes; the tests take about 5 minutes on 2 cores.
+CLIENTS_TORCH ?= 2.13.0
+CLIENTS_VENV ?= $(COMPAT_DIR)/clients-torch-$(CLIENTS_TORCH)
+CLIENTS_TESTS ?= tests/integrations/test_optimizers_by_name.py \
+	tests/integrations/test_low_bit_optimizers.py tests/integrations/test_clients.py
+CLIENTS_EXTRA = $(shell $(PYTHON) -c "import shlex, tomllib; print(*map(shlex.quote, tomllib.load(\
+	open('pyproject.toml', 'rb'))['project']['optional-dependencies']['clients']))")
+
+.PHONY: clients clients-venv
+
+$(CLIENTS_VENV)/.venv-made:
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	touch $@
+
+clients-venv: $(CLIENTS_VENV)/.venv-made
+	echo "torch==$(CLIENTS_TORCH)" > $(CLIENTS_VENV)/torch-pin.txt
+	$(CLIENTS_VENV)/bin/python -m pip install -q -c $(CLIENTS_VENV)/torch-pin.txt \
+		"torch==$(CLIENTS_TORCH)" $(TEST_EXTRA) $(CLIENTS_EXTRA) $(BUILD_DEPS)
+	PYTHONPATH=$(CURDIR) $(CLIENTS_VENV)/bin/python -c "import torch, litgpt, torchtune, torchao, \
+		accumkernels._C; print('clients venv: torch', torch.__version__, 'torchao', \
+		torchao.__version__)"
+
+clients: $(VENV)/.installed clients-venv
+	cd $(CURDIR) && PYTHONPATH=$(CURDIR) $(CLIENTS_VENV)/bin/python -m pytest -q \
+		-p no:cacheprovider $(CLIENTS_TESTS)
