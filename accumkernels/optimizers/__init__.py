@@ -46,5 +46,5 @@ for _name in TORCH_OPTIMIZERS:
     globals()[_name] = accumulating(getattr(torch.optim, _name), module=__name__)
 del _name
 
-__all__ = ["COLLISION_PREFIX", "TORCH_OPTIMIZERS", "accumulating", "wrapper_options",
-           *TORCH_OPTIMIZERS]
+__all__ = ["COLLISION_PREFIX", "TORCH_OPTIMIZERS", "accumulating", "wrapper_options"]
+__all__.extend(TORCH_OPTIMIZERS)

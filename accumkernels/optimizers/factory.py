@@ -18,7 +18,7 @@ import difflib
 import inspect
 import sys
 import threading
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import torch
 
@@ -34,13 +34,13 @@ COLLISION_PREFIX = "wrapper_"
 # ``model`` and ``process_group`` take live objects (a module, a process group), which no config
 # holds: they stay with ``AccumulatingOptimizer(...)`` in code.
 _OPTION_TYPES = {
-    "accumulation_steps": Optional[int],
+    "accumulation_steps": int | None,
     "reduction": Literal["sum", "mean", "weighted"],
-    "master_weights": Union[bool, Literal["auto"]],
+    "master_weights": bool | Literal["auto"],
     "accumulate_in_backward": bool,
-    "max_grad_norm": Optional[float],
+    "max_grad_norm": float | None,
     "nonfinite": Literal["skip_step", "skip_microbatch", "raise"],
-    "loss_scale": Union[None, float, Literal["dynamic"]],
+    "loss_scale": float | Literal["dynamic"] | None,
     "bucket_size_mb": float,
     "backend": str,
     "independent_ranks": bool,

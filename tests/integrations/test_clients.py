@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ def _env() -> dict:
 def _run(argv: list[str], cwd: Path) -> None:
     env = dict(_env(), HF_DATASETS_CACHE=str(cwd / "hf-datasets"))
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, check=False)
     assert proc.returncode == 0, f"{argv} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 

@@ -104,8 +104,8 @@ def test_by_name_classes_pickle_and_refuse_by_name():
     copied = pickle.loads(pickle.dumps(opt))
     assert type(copied) is sf.SGDScheduleFree and copied.reduction == "mean"
     with pytest.raises(AttributeError, match="not offered"):
-        ao.CPUOffloadOptimizer
+        _ = ao.CPUOffloadOptimizer
     with pytest.raises(AttributeError, match="no optimizer 'AdamW2bit'"):
-        ao.AdamW2bit
+        _ = ao.AdamW2bit
     with pytest.raises(TypeError, match="'block_sise'"):
         ao.AdamW8bit(_model(torch.float32).parameters(), block_sise=256)

@@ -232,9 +232,8 @@ def test_jsonargparse_class_path_and_command_line():
 
 
 def _cli_fit(tmp_path, optimizer_args: list[str]) -> list[torch.Tensor]:
-    from lightning.pytorch.cli import LightningCLI
-
     from _lightning_cli_module import TinyRegression
+    from lightning.pytorch.cli import LightningCLI
 
     args = ["--seed_everything=0", "--trainer.accelerator=cpu", "--trainer.devices=1",
             "--trainer.max_epochs=2", "--trainer.accumulate_grad_batches=3",
