@@ -28,6 +28,11 @@ import torch
 import accumkernels.optimizers as by_name
 from accumkernels import AccumulatingOptimizer, accumulating
 
+try:  # the Accelerate singletons reset around the Trainer test
+    from _integrations_common import fresh_accelerate_state  # noqa: F401
+except pytest.skip.Exception:  # transformers missing: that test skips
+    pass
+
 # per optimizer: the inner arguments a window of fp32 sums steps with (defaults elsewhere)
 KWARGS = {"SGD": {"lr": 0.1, "momentum": 0.9}, "LBFGS": {"lr": 0.5}, "Muon": {"lr": 0.02},
           "Adafactor": {"lr": 0.01}}
@@ -206,6 +211,36 @@ def test_functools_partial_and_trainer_optimizer_cls_and_kwargs():
     assert type(make(_model().parameters())) is by_name.AdamW
     cls, kwargs = by_name.AdamW, {"lr": 1e-3, "max_grad_norm": 1.0}
     assert cls(_model().parameters(), **kwargs).max_grad_norm == 1.0
+
+
+def _trainer_run(tmp_path, optimizer_cls) -> list[torch.Tensor]:
+    from _integrations_common import (ACCUM, CLIP, LR, MICRO, TokenDataset, oneline_gpt2,
+                                      snapshot, token_samples)
+    from transformers import Trainer, TrainingArguments
+
+    model = oneline_gpt2()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, seed=0,
+        per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
+        max_grad_norm=CLIP, num_train_epochs=1, save_strategy="no", dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(token_samples(1)),
+                      optimizer_cls_and_kwargs=(optimizer_cls, {"lr": LR}))
+    trainer.train()
+    return snapshot(model), trainer.optimizer.optimizer
+
+
+def test_hf_trainer_optimizer_cls_and_kwargs_equals_native(tmp_path, fresh_accelerate_state):
+    """The HF Trainer's ``optimizer_cls_and_kwargs=(accumkernels.optimizers.AdamW, {...})``:
+    the Trainer builds its weight-decay groups and calls the class; one epoch of windows 4, 4, 2
+    with ``max_grad_norm`` ends bit for bit where ``(torch.optim.AdamW, {...})`` does."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    native, native_opt = _trainer_run(tmp_path / "native", torch.optim.AdamW)
+    ours, ours_opt = _trainer_run(tmp_path / "ours", by_name.AdamW)
+    assert type(ours_opt) is by_name.AdamW and type(native_opt) is torch.optim.AdamW
+    assert len(ours_opt.param_groups) == 2  # the Trainer's decay / no-decay groups
+    for p, q in zip(native, ours):
+        assert torch.equal(p, q)
 
 
 def test_jsonargparse_class_path_and_command_line():
