@@ -214,8 +214,16 @@ def test_functools_partial_and_trainer_optimizer_cls_and_kwargs():
 
 
 def _trainer_run(tmp_path, optimizer_cls) -> list[torch.Tensor]:
-    from _integrations_common import (ACCUM, CLIP, LR, MICRO, TokenDataset, oneline_gpt2,
-                                      snapshot, token_samples)
+    from _integrations_common import (
+        ACCUM,
+        CLIP,
+        LR,
+        MICRO,
+        TokenDataset,
+        oneline_gpt2,
+        snapshot,
+        token_samples,
+    )
     from transformers import Trainer, TrainingArguments
 
     model = oneline_gpt2()
