@@ -171,6 +171,28 @@ def test_factory_names_its_class_and_spells_colliding_options():
     assert type(pickle.loads(pickle.dumps(opt))) is AccumulatingWithClip
 
 
+class TakesAny(torch.optim.SGD):
+    """An optimizer whose extra options arrive through ``**kwargs``."""
+
+    def __init__(self, params, lr=0.1, **kwargs):
+        super().__init__(params, lr=lr, momentum=kwargs.pop("momentum", 0.0))
+        self.extra = kwargs
+
+
+AccumulatingTakesAny = accumulating(TakesAny, name="AccumulatingTakesAny")
+
+
+def test_factory_with_var_keyword_optimizer():
+    """An optimizer taking ``**kwargs``: the wrapper's options are taken out by name, every
+    other keyword reaches the optimizer; the signature keeps ``**kwargs`` last."""
+    params = list(inspect.signature(AccumulatingTakesAny).parameters.values())
+    assert params[-1].kind is inspect.Parameter.VAR_KEYWORD
+    opt = AccumulatingTakesAny(_model().parameters(), 0.2, momentum=0.5, anything=1,
+                               reduction="mean")
+    assert opt.reduction == "mean" and opt.optimizer.extra == {"anything": 1}
+    assert opt.optimizer.defaults["lr"] == 0.2 and opt.optimizer.defaults["momentum"] == 0.5
+
+
 # -- the config paths, through the real libraries ---------------------------------------------------
 def test_hydra_instantiate_target():
     """Hydra: ``_target_`` with the params given at the call, and ``_partial_: true`` (a
