@@ -138,10 +138,14 @@ $(CLIENTS_VENV)/.venv-made:
 	$(PYTHON) -m venv $(CLIENTS_VENV)
 	touch $@
 
+# Two installs, the clients on top of what the tests need; --prefer-binary keeps the resolver
+# from backtracking into old source releases (one of them builds numpy 1.19 from source).
 clients-venv: $(CLIENTS_VENV)/.venv-made
 	echo "torch==$(CLIENTS_TORCH)" > $(CLIENTS_VENV)/torch-pin.txt
-	$(CLIENTS_VENV)/bin/python -m pip install -q -c $(CLIENTS_VENV)/torch-pin.txt \
-		"torch==$(CLIENTS_TORCH)" $(TEST_EXTRA) $(CLIENTS_EXTRA) $(BUILD_DEPS)
+	$(CLIENTS_VENV)/bin/python -m pip install -q --prefer-binary \
+		-c $(CLIENTS_VENV)/torch-pin.txt "torch==$(CLIENTS_TORCH)" $(TEST_EXTRA) $(BUILD_DEPS)
+	$(CLIENTS_VENV)/bin/python -m pip install -q --prefer-binary \
+		-c $(CLIENTS_VENV)/torch-pin.txt $(CLIENTS_EXTRA)
 	PYTHONPATH=$(CURDIR) $(CLIENTS_VENV)/bin/python -c "import torch, litgpt, torchtune, torchao, \
 		accumkernels._C; print('clients venv: torch', torch.__version__, 'torchao', \
 		torchao.__version__)"
