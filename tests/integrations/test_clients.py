@@ -8,8 +8,9 @@ each run as its command line does, on a tiny model with a tokenizer, data and ch
   native bf16's (relative L2 error; the figures are printed).
 
 They run in ``make clients`` (a venv with litgpt 0.5.13 and torchtune 0.6.1, torch pinned), one
-thread and ``TORCHDYNAMO_DISABLE=1``: litgpt compiles its model, and compiled CPU runs are
-bit-reproducible only on one thread, natively too; compiling costs ~1.5 min a run here.
+thread and ``TORCHDYNAMO_DISABLE=1``: litgpt compiles its model, compiled CPU runs depend on
+the thread count, natively too (README: training stacks), and a compiled run took up to 5.5
+minutes here. The tokenizer-free litgpt run reads ``_client_data.RandomTokens``.
 """
 
 from __future__ import annotations
