@@ -336,8 +336,8 @@ def test_lightning_cli_optimizer_by_name_equals_native(tmp_path):
 
 def test_litgpt_instantiate_torch_optimizer():
     """litgpt's ``--optimizer`` / ``optimizer.class_path`` (litgpt.utils.instantiate_torch_
-    optimizer): a class path with ``init_args``, and litgpt's own extra keywords kept only where
-    the signature names them."""
+    optimizer): a class path with ``init_args`` and a dotted name alone, litgpt's own extra
+    keywords kept only where the signature names them."""
     utils = pytest.importorskip("litgpt.utils")
     opt = utils.instantiate_torch_optimizer(
         {"class_path": "accumkernels.optimizers.AdamW",
@@ -345,6 +345,10 @@ def test_litgpt_instantiate_torch_optimizer():
         _model().parameters(), fused=False)
     assert type(opt) is by_name.AdamW and opt.reduction == "mean"
     assert opt.optimizer.defaults["weight_decay"] == 0.1
+    # ``--optimizer accumkernels.optimizers.AdamW``: a dotted name, the class's defaults
+    opt = utils.instantiate_torch_optimizer("accumkernels.optimizers.AdamW",
+                                            _model().parameters(), fused=False)
+    assert type(opt) is by_name.AdamW and opt.reduction == "sum"
 
 
 def test_torchtune_component():
