@@ -138,14 +138,16 @@ $(CLIENTS_VENV)/.venv-made:
 	$(PYTHON) -m venv $(CLIENTS_VENV)
 	touch $@
 
-# Two installs, the clients on top of what the tests need; --prefer-binary keeps the resolver
-# from backtracking into old source releases (one of them builds numpy 1.19 from source).
+# Two installs, in this order: the clients, then what the tests need on top. All at once, the
+# resolver backtracks into old source releases (one builds numpy 1.19); the other way round,
+# litgpt's huggingface_hub<1.4 pin takes back the hub that transformers 5 needs. The second
+# install lifts the hub past litgpt's pin (pip says so); litgpt's pretrain runs with it.
 clients-venv: $(CLIENTS_VENV)/.venv-made
 	echo "torch==$(CLIENTS_TORCH)" > $(CLIENTS_VENV)/torch-pin.txt
 	$(CLIENTS_VENV)/bin/python -m pip install -q --prefer-binary \
-		-c $(CLIENTS_VENV)/torch-pin.txt "torch==$(CLIENTS_TORCH)" $(TEST_EXTRA) $(BUILD_DEPS)
+		-c $(CLIENTS_VENV)/torch-pin.txt "torch==$(CLIENTS_TORCH)" $(CLIENTS_EXTRA)
 	$(CLIENTS_VENV)/bin/python -m pip install -q --prefer-binary \
-		-c $(CLIENTS_VENV)/torch-pin.txt $(CLIENTS_EXTRA)
+		-c $(CLIENTS_VENV)/torch-pin.txt $(TEST_EXTRA) $(BUILD_DEPS)
 	PYTHONPATH=$(CURDIR) $(CLIENTS_VENV)/bin/python -c "import torch, litgpt, torchtune, torchao, \
 		accumkernels._C; print('clients venv: torch', torch.__version__, 'torchao', \
 		torchao.__version__)"
