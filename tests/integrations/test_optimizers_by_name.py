@@ -334,6 +334,28 @@ def test_lightning_cli_optimizer_by_name_equals_native(tmp_path):
     assert not torch.equal(next(native.parameters()), next(ours.parameters()) * 0)
 
 
+def test_lightning_cli_ddp_two_ranks_by_name_equals_native(tmp_path):
+    """LightningCLI with ``--trainer.strategy=ddp`` on 2 gloo ranks: ``--optimizer
+    accumkernels.optimizers.AdamW`` with ``--trainer.callbacks+=...FP32Accumulation`` (the comm
+    hook) fits bit for bit like ``--optimizer torch.optim.AdamW``; without the callback the
+    first step is refused, naming the comm hook."""
+    pytest.importorskip("jsonargparse")
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")  # _integrations_common
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    from _cli_workers import run_cli_ranks
+
+    results = run_cli_ranks(tmp_path)
+    for rank, res in enumerate(results):
+        assert res["by_name"].get("optimizer") == "accumkernels.optimizers.AdamW", res["by_name"]
+        for p, q in zip(res["native"]["params"], res["by_name"]["params"]):
+            assert torch.equal(p, q), f"rank {rank}"
+        for p, q in zip(res["by_name"]["params"], results[0]["by_name"]["params"]):
+            assert torch.equal(p, q), f"rank {rank} differs from rank 0"
+        assert "ddp_comm_hook" in res["no_callback"]["error"], res["no_callback"]
+
+
 def test_litgpt_instantiate_torch_optimizer():
     """litgpt's ``--optimizer`` / ``optimizer.class_path`` (litgpt.utils.instantiate_torch_
     optimizer): a class path with ``init_args`` and a dotted name alone, litgpt's own extra
