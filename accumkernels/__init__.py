@@ -12,6 +12,7 @@ from accumkernels.master_step import master_adam_step_, master_sgd_step_
 from accumkernels.ops import accumulate_, available_backends
 from accumkernels.optim import AccumulatingOptimizer
 from accumkernels.optim.ddp import ddp_comm_hook
+from accumkernels.optimizers import accumulating
 from accumkernels.wgrad import fuse_wgrad_accumulation
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "MasterGradBuffer",
     "MicroBatchSearch",
     "accumulate_",
+    "accumulating",
     "available_backends",
     "build_info",
     "check_model",

@@ -9,6 +9,8 @@ Accelerate     ``accelerator = AccumulatingAccelerator(gradient_accumulation_ste
                (``accumkernels.integrations.accelerate``; instead of ``Accelerator``)
 Lightning      ``L.Trainer(..., callbacks=[FP32Accumulation()])``
                (``accumkernels.integrations.lightning``)
+Fabric         ``model, optimizer = setup(fabric, model, optimizer)``
+               (``accumkernels.integrations.fabric``; instead of ``fabric.setup``)
 =============  ==============================================================================
 
 Each wraps the optimizer the framework builds or is given in ``AccumulatingOptimizer(...,
@@ -19,7 +21,7 @@ so one script runs on one process or many. The wrapper's options (``reduction``,
 its framework only when one of its names is first used: importing accumkernels, or this
 package, imports no framework.
 
-This file holds what the three share: the option check, the wrapping, the hook registration.
+This file holds what they share: the option check, the wrapping, the hook registration.
 """
 
 from __future__ import annotations

@@ -1,0 +1,176 @@
+"""``accumulating(optimizer_cls)``: an optimizer class that a config names and calls as
+``Cls(params, lr=..., ..., <wrapper options>)``, and that builds an ``AccumulatingOptimizer``.
+
+Stacks that name their optimizer by a dotted path (litgpt's ``optimizer.class_path``,
+LightningCLI's ``class_path``/``init_args``, torchtune's ``_component_``, Hydra's ``_target_``)
+import the class, read its signature (litgpt and jsonargparse keep only the keywords it names)
+and call it with the params. The class made here has the inner optimizer's own parameters,
+followed by the wrapper's options as keyword-only parameters, annotated, so that a YAML file or
+a command line can set either and a misspelt one is refused by name. An instance *is* an
+``AccumulatingOptimizer`` (and so a ``torch.optim.Optimizer``): state dicts, pickling and
+``deepcopy`` (which give back the same class), the integrations and the frameworks' checks see
+the wrapper they know.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import sys
+import threading
+from typing import Literal
+
+import torch
+
+from accumkernels.optim import AccumulatingOptimizer
+
+__all__ = ["COLLISION_PREFIX", "accumulating", "wrapper_options"]
+
+# A wrapper option whose name the inner optimizer also takes keeps the inner meaning; the
+# wrapper's is then spelt with this prefix (``wrapper_max_grad_norm``) for that class.
+COLLISION_PREFIX = "wrapper_"
+
+# The wrapper's options a config can name, with the types a CLI parser checks them against.
+# ``model`` and ``process_group`` take live objects (a module, a process group), which no config
+# holds: they stay with ``AccumulatingOptimizer(...)`` in code.
+_OPTION_TYPES = {
+    "accumulation_steps": int | None,
+    "reduction": Literal["sum", "mean", "weighted"],
+    "master_weights": bool | Literal["auto"],
+    "accumulate_in_backward": bool,
+    "max_grad_norm": float | None,
+    "nonfinite": Literal["skip_step", "skip_microbatch", "raise"],
+    "loss_scale": float | Literal["dynamic"] | None,
+    "bucket_size_mb": float,
+    "backend": str,
+    "independent_ranks": bool,
+}
+_IN_CODE_ONLY = ("model", "process_group")
+
+_made: dict[tuple, type] = {}
+_lock = threading.Lock()
+
+
+def wrapper_options() -> dict[str, inspect.Parameter]:
+    """The ``AccumulatingOptimizer`` options a by-name class takes, as keyword-only
+    parameters with the wrapper's defaults and the annotations above."""
+    signature = inspect.signature(AccumulatingOptimizer.__init__)
+    options = {}
+    for name, p in signature.parameters.items():
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY or name in _IN_CODE_ONLY:
+            continue
+        if name not in _OPTION_TYPES:  # an option added to the wrapper must be declared here
+            raise RuntimeError(f"accumkernels.optimizers: wrapper option {name!r} has no "
+                               f"declared type (factory._OPTION_TYPES)")
+        options[name] = p.replace(annotation=_OPTION_TYPES[name])
+    return options
+
+
+def _inner_signature(optimizer_cls: type) -> inspect.Signature:
+    try:
+        signature = inspect.signature(optimizer_cls.__init__, eval_str=True)
+    except (NameError, TypeError, SyntaxError):  # annotations that do not evaluate here
+        signature = inspect.signature(optimizer_cls.__init__)
+    return signature
+
+
+def accumulating(optimizer_cls: type, *, name: str | None = None,
+                 module: str | None = None) -> type:
+    """The ``AccumulatingOptimizer`` class of ``optimizer_cls``, called as the optimizer is.
+
+    ``Cls(params, lr=1e-3, betas=(0.9, 0.95), reduction="mean", max_grad_norm=1.0)`` builds
+    ``optimizer_cls(params, lr=1e-3, betas=(0.9, 0.95))`` and wraps it:
+    ``AccumulatingOptimizer(inner, reduction="mean", max_grad_norm=1.0)``. The wrapper's
+    options (``accumulation_steps``, ``reduction``, ``master_weights``, ``max_grad_norm``,
+    ``nonfinite``, ``loss_scale``, ...) are keyword-only and keep their defaults; one the inner
+    optimizer also takes is spelt ``wrapper_<name>``. A keyword neither takes is refused by
+    name (TypeError) before anything is built.
+
+    Like ``collections.namedtuple``, the class is named ``name`` (default: the inner class's)
+    in ``module`` (default: the caller's), and pickling finds it there: assign it to that name
+    at the top of that module. The same arguments give the same class.
+    """
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"accumulating() takes a torch.optim.Optimizer subclass, got "
+                        f"{optimizer_cls!r}")
+    if issubclass(optimizer_cls, AccumulatingOptimizer):
+        raise TypeError(f"{optimizer_cls.__qualname__} is already an AccumulatingOptimizer")
+    name = name or optimizer_cls.__name__
+    if not name.isidentifier():
+        raise ValueError(f"accumulating(): name must be an identifier, got {name!r}")
+    if module is None:
+        module = sys._getframe(1).f_globals.get("__name__", "__main__")
+    key = (optimizer_cls, name, module)
+    with _lock:
+        if key not in _made:
+            _made[key] = _make(optimizer_cls, name, module)
+        return _made[key]
+
+
+def _make(inner_cls: type, name: str, module: str) -> type:
+    P = inspect.Parameter
+    inner = list(_inner_signature(inner_cls).parameters.values())
+    self_param, inner = inner[0], inner[1:]
+    taken = {p.name for p in inner if p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)}
+    var_keyword = [p for p in inner if p.kind is P.VAR_KEYWORD]
+    spelling: dict[str, str] = {}  # keyword in a config -> wrapper option
+    wrapper_params = []
+    for option, p in wrapper_options().items():
+        spelt = COLLISION_PREFIX + option if option in taken else option
+        spelling[spelt] = option
+        wrapper_params.append(p.replace(name=spelt))
+    if any(s in taken for s in spelling):
+        raise TypeError(f"{inner_cls.__qualname__} takes both a wrapper option and its "
+                        f"{COLLISION_PREFIX!r} spelling; wrap it with AccumulatingOptimizer(...)")
+    params = [self_param] + [p for p in inner if p.kind is not P.VAR_KEYWORD]
+    params += wrapper_params + var_keyword
+    signature = inspect.Signature(params)
+    accepts_any = bool(var_keyword)
+
+    def __init__(self, *args, **kwargs):
+        options = {spelling[k]: kwargs.pop(k) for k in list(kwargs) if k in spelling}
+        unknown = [k for k in kwargs if k not in taken]
+        if unknown and not accepts_any:
+            raise TypeError(_unknown_message(name, unknown[0], taken | set(spelling)))
+        AccumulatingOptimizer.__init__(self, inner_cls(*args, **kwargs), **options)
+
+    __init__.__signature__ = signature
+    __init__.__annotations__ = {p.name: p.annotation for p in params[1:]
+                                if p.annotation is not P.empty}
+    __init__.__qualname__ = f"{name}.__init__"
+    __init__.__module__ = module
+    __init__.__doc__ = (f"Build ``{inner_cls.__module__}.{inner_cls.__qualname__}(params, ...)`` "
+                        f"and wrap it in ``AccumulatingOptimizer(inner, <wrapper options>)``.")
+
+    namespace = {
+        "__init__": __init__,
+        "__reduce__": _reduce,
+        "__module__": module,
+        "__qualname__": name,
+        "__doc__": (f"``AccumulatingOptimizer`` over ``{inner_cls.__module__}."
+                    f"{inner_cls.__qualname__}``, built from the optimizer's own arguments "
+                    f"and the wrapper's options (keyword-only): a class a config names."),
+        "inner_class": inner_cls,
+        "wrapper_keywords": dict(spelling),
+    }
+    return type(name, (AccumulatingOptimizer,), namespace)
+
+
+def _unknown_message(cls_name: str, keyword: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(keyword, sorted(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"{cls_name}() got an unknown option {keyword!r}{hint}: it takes the inner "
+            f"optimizer's arguments and the wrapper options "
+            f"{sorted(k for k in known if k in _OPTION_TYPES or k.startswith(COLLISION_PREFIX))}")
+
+
+def _reduce(self):
+    """Pickle and ``deepcopy`` as the wrapper does, then give the copy this class back."""
+    rebuild, args = AccumulatingOptimizer.__reduce__(self)
+    return _rebuild_as, (type(self), rebuild, args)
+
+
+def _rebuild_as(cls: type, rebuild, args: tuple) -> AccumulatingOptimizer:
+    opt = rebuild(*args)
+    opt.__class__ = cls  # the by-name class adds no state of its own
+    return opt

@@ -1,0 +1,25 @@
+"""schedulefree's optimizers by name: ``accumkernels.optimizers.schedulefree.AdamWScheduleFree``,
+``SGDScheduleFree``, ``RAdamScheduleFree`` and the others of the ``schedulefree`` package, each an
+``AccumulatingOptimizer`` class as in ``accumkernels.optimizers``. ``opt.train()`` and
+``opt.eval()`` reach the inner optimizer; call them as without the wrapper. ``schedulefree`` is
+imported when a name is first looked up (tests/integrations/test_low_bit_optimizers.py).
+"""
+
+from __future__ import annotations
+
+from accumkernels.optimizers.factory import accumulating
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    import schedulefree
+    import torch
+
+    cls = getattr(schedulefree, name, None)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+        made = accumulating(cls, name=name, module=__name__)
+        globals()[name] = made
+        return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}: schedulefree has no "
+                         f"optimizer {name!r}")

@@ -1,0 +1,77 @@
+"""Lightning Fabric: the recipe (an ``AccumulatingOptimizer`` given to ``fabric.setup``, by hand
+or by name) and the one line (``accumkernels.integrations.fabric.setup``) against the same
+Fabric loop natively (_fabric_workers.py): ``fabric.no_backward_sync``, ``fabric.clip_gradients``
+(it bites on every window), a LambdaLR, ``fabric.save``/``fabric.load`` mid-training, on 1
+process and on 2 gloo ranks (``strategy="ddp"``).
+
+fp32 is compared bit for bit (parameters and the norms ``clip_gradients`` returns), for the
+reasons in _integrations_common.py: the wrapper adds the same fp32 micro-batch gradients in the
+same order as autograd, and under DDP its comm hook averages the window as DDP averages its
+bucket. A run resumed from ``fabric.save`` at a window's end ends where the uninterrupted run
+does; in the middle of a window too on one process (the wrapper's state carries the window).
+On two ranks a mid-window checkpoint holds rank 0's window only (Fabric saves rank 0's state):
+loading it is refused on rank 1 and accepted on rank 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")  # the tiny GPT-2
+
+import _fabric_workers as workers  # noqa: E402
+from _integrations_common import CLIP, STEPS, check_bf16, check_ranks_agree, first_difference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="torch.distributed is not available")
+
+
+def _check(res: dict, what: str) -> None:
+    native = res["native"]
+    assert not native["wrapped"], what
+    assert len(native["norms"]) == STEPS and all(n > CLIP for n in native["norms"]), what
+    for mode in ("recipe", "by_name", "oneline"):
+        run = res[mode]
+        assert run["wrapped"], f"{what}, {mode}"
+        assert run["norms"] == native["norms"], f"{what}, {mode}: clip norms differ"
+        diff = first_difference(run["params"], native["params"])
+        assert diff is None, f"{what}, {mode} vs native: {diff}"
+        assert run["lr"] == native["lr"], f"{what}, {mode}: LR schedule"
+    assert res["by_name"]["optimizer"] == "accumkernels.optimizers.AdamW", what
+    for mode in ("native", "oneline"):
+        resumed = res[f"{mode}_resumed"]
+        assert resumed["norms"] == native["norms"][2:], f"{what}, {mode} resumed"
+        diff = first_difference(resumed["params"], native["params"])
+        assert diff is None, f"{what}, {mode} resumed at a window's end: {diff}"
+
+
+def test_fabric_one_process_equals_native(tmp_path):
+    """1 process: recipe, by name and one line bit-identical to native Fabric; resumes from
+    ``fabric.save`` at a window's end and in the middle of one; bf16 closer to float64."""
+    res = workers.scenario_fabric(str(tmp_path), 1, bf16=True)
+    _check(res, "fabric, 1 process")
+    mid = res["mid_window_resumed"]
+    diff = first_difference(mid["params"], res["native"]["params"])
+    assert diff is None, f"resumed in the middle of a window: {diff}"
+    assert mid["norms"] == res["native"]["norms"][1:]
+    check_bf16({"bf16_oneline": res["bf16_oneline"], "bf16_native": res["bf16_native"],
+                "f64_native": res["f64_native"]}, "fabric")
+
+
+def test_fabric_ddp_two_ranks_equals_native(tmp_path):
+    """2 gloo ranks, ``strategy="ddp"``: the one line and the by-name class through it (the comm
+    hook on Fabric's DDP module) bit-identical to native DDP, ranks agreeing; the recipe by hand
+    given to ``setup`` too, and refused at its first step without it; a mid-window checkpoint
+    refused where it is not the rank's own window."""
+    results = workers.run_fabric_ranks(tmp_path)
+    for rank, res in enumerate(results):
+        _check(res, f"fabric ddp, rank {rank}")
+    for key in ("native", "oneline", "by_name"):
+        check_ranks_agree(results, key, f"fabric ddp {key}")
+    assert results[0]["mid_window_refused"] is None
+    refused = results[1]["mid_window_refused"]
+    assert refused is not None and "rank" in refused, refused
+    for res in results:  # plain fabric.setup under DDP: refused at the first step, by name
+        assert "nothing reduces" in res["without_hook"] and "ddp_comm_hook" in res["without_hook"]
