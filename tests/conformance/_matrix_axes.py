@@ -28,13 +28,16 @@ class Opt:
     impl: str  # "forloop", "foreach", "fused"
     kwargs: tuple = ()
 
-    def build(self, params):
+    def kwargs_with_impl(self) -> dict:
         kw = dict(self.kwargs)
         if self.impl != "forloop":
             kw[self.impl] = True
         else:
             kw["foreach"] = False
-        return getattr(torch.optim, self.cls)(params, **kw)
+        return kw
+
+    def build(self, params):
+        return getattr(torch.optim, self.cls)(params, **self.kwargs_with_impl())
 
 
 SGD_KW = (("lr", 0.1), ("momentum", 0.9), ("nesterov", True), ("weight_decay", 0.01))
@@ -165,6 +168,8 @@ SINGLE_AXES = (
     Axis("loop", LOOPS, "what the training loop does to the model and the optimizer "
          "(_matrix_loop.LoopActions)"),
     Axis("hooks", HOOKS, "hooks the user registers before wrapping"),
+    Axis("construct", ("by-hand", "by-name"), "AccumulatingOptimizer(inner, ...) or the class "
+         "a config names, accumkernels.optimizers.<Name>(params, **inner_kw, **options)"),
 )
 
 
@@ -248,6 +253,11 @@ SINGLE_CONSTRAINTS = [
     # carries no hook of the user's
     _implies(_f("hooks", "ne", "none"), _f("checkpoint", "in", ["none", "save-load",
                                                                 "dcp-flat"])),
+    # by name, the inner optimizer is built inside: no hook of its own registered before
+    # wrapping, no native optimizer handed in
+    _implies(_f("construct", "eq", "by-name"), {"operator": "and", "conditions": [
+        _f("hooks", "in", ["none", "tensor-hook", "module-hook", "wrapper-post-hook"]),
+        _f("checkpoint", "ne", "native-into-inner")]}),
     # the wrapper's own step hooks see the model's params: native hooks see the optimizer's,
     # which are the masters for a low-precision model
     _implies(_f("hooks", "eq", "wrapper-post-hook"), {"operator": "and", "conditions": [

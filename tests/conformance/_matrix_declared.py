@@ -13,6 +13,59 @@ from __future__ import annotations
 from _matrix_surface import NOT_GRAD, READS, ax, ex
 
 OPT_SUITE = "tests/optim/test_conformance.py"  # torch's optim_db configs, native vs wrapper
+_OP = ex("an op of its own, each backend against the float64 reference; the wrapper calls it "
+         "on every case", "tests/op/test_accumulate.py", "accumulate_")
+_STEP_OP = ex("the fused master step op, bit-identical to torch's fused step on every backend; "
+              "the wrapper calls it on the bf16/fp16 cases with a fused inner optimizer",
+              "tests/op/test_master_step.py", "master_adam_step_")
+_TOOL = ex("a batch-size tool beside the wrapper: no window, no step",
+           "tests/tools/test_batch_size.py", "find_micro_batch_size")
+_BY_NAME = ax("single.construct=by-name")
+_FRAMEWORK = "a framework's one line: its real loop against native in its own tests"
+PACKAGE = {
+    "AccumulatingOptimizer": ax("single.construct=by-hand", "multi"),
+    "MasterGradBuffer": ex("the window's storage, its own tests; every case runs through it",
+                           "tests/buffer/test_buffer.py", "MasterGradBuffer"),
+    "MicroBatchSearch": _TOOL,
+    "find_micro_batch_size": _TOOL,
+    "validate_batch_sizes": ex("a batch-size check beside the wrapper: no window, no step",
+                               "tests/tools/test_batch_size.py", "validate_batch_sizes"),
+    "check_model": ex("warns about BatchNorm in training mode; the matrix's models have none",
+                      "tests/optim/test_config.py", "check_model"),
+    "accumulate_": _OP,
+    "available_backends": _OP,
+    "master_adam_step_": _STEP_OP,
+    "master_sgd_step_": _STEP_OP,
+    "accumulating": _BY_NAME,
+    "build_info": ex("reports what was built and which backends run where",
+                     "tests/tools/test_build_info.py", "build_info"),
+    "ddp_comm_hook": ax("multi.layout=ddp"),
+    "fuse_wgrad_accumulation": ex("the fused weight-gradient GEMM of nn.Linear layers, crossed "
+                                  "with every reduction and the window logic in its own tests",
+                                  "tests/wgrad/test_wgrad.py", "fuse_wgrad_accumulation"),
+    "optimizers.accumulating": _BY_NAME,
+    "optimizers.wrapper_options": _BY_NAME,
+    "optimizers.COLLISION_PREFIX": ex("the spelling of a wrapper option an optimizer also takes "
+                                      "(wrapper_<name>)",
+                                      "tests/integrations/test_optimizers_by_name.py",
+                                      "wrapper_"),
+    "optimizers.TORCH_OPTIMIZERS": _BY_NAME,
+    "optimizers.*": _BY_NAME,
+    "integrations.transformers.AccumulatingTrainer": ex(
+        _FRAMEWORK, "tests/integrations/test_transformers.py", "AccumulatingTrainer"),
+    "integrations.transformers.AccumulatingTrainerMixin": ex(
+        _FRAMEWORK, "tests/integrations/test_transformers.py", "AccumulatingTrainer"),
+    "integrations.accelerate.AccumulatingAccelerator": ex(
+        _FRAMEWORK, "tests/integrations/test_accelerate.py", "AccumulatingAccelerator"),
+    "integrations.accelerate.make_skips_visible": ex(
+        _FRAMEWORK, "tests/integrations/test_accelerate.py", "make_skips_visible"),
+    "integrations.lightning.FP32Accumulation": ex(
+        _FRAMEWORK, "tests/integrations/test_lightning.py", "FP32Accumulation"),
+    "integrations.fabric.setup": ex(_FRAMEWORK, "tests/integrations/test_fabric.py", "setup"),
+    "integrations.pipelining.accumulate_weight_passes": ax("multi.layout=pipe-zbv",
+                                                           "multi.layout=pipe-zbv-forgotten"),
+    "integrations.pipelining.clip_across_stages": ax("multi.layout=pipe-gpipe"),
+}
 
 MEMBERS = {
     "OptimizerPreHook": ex("a type alias torch.optim.Optimizer exports for hook signatures"),

@@ -118,7 +118,7 @@ KNOWN_EXCLUSIONS = {
 _BASE = dict(params="contiguous", dtype="fp32", optimizer="adamw-forloop", reduction="sum",
              accum="N", clip="none", nonfinite="none", grads="backward", in_backward=True,
              masters="auto", hands="none", checkpoint="none", loop="opt-zero_grad",
-             hooks="none")
+             hooks="none", construct="by-hand")
 SINGLE_WITNESSES = [dict(_BASE, **kw) for kw in (
     {"params": "channels_last", "optimizer": "sgd-forloop"},  # 37.1 channels_last fp32
     {"params": "transposed"},  # 37.1 a transposed param

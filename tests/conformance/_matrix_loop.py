@@ -20,6 +20,7 @@ from _matrix_actions import (Frozen, clear, frozen_micro, initial_params, instal
                              install_model_hooks, last_layer, shrink)
 from _matrix_oracle import CLIP, CLIP_LOOSE, Reference
 
+import accumkernels.optimizers
 from accumkernels import AccumulatingOptimizer
 
 NAN_AT, CKPT_AT = (1, 1), (1, 0)
@@ -54,17 +55,20 @@ class Ctx:
 
     def wrap(self, model, inner=None) -> AccumulatingOptimizer:
         install_model_hooks(self, model)
-        if inner is None:
-            inner = self.opt.build(initial_params(self, model))
-            install_inner_hooks(self, inner)
-        opt = AccumulatingOptimizer(
-            inner, accumulation_steps=self.accum.n,
-            reduction=self.reduction.name, master_weights=self.masters,
-            accumulate_in_backward=self.in_backward,
-            max_grad_norm={"max_grad_norm": CLIP,
-                           "max_grad_norm-loose": CLIP_LOOSE}.get(self.clip),
-            nonfinite=self.nonfinite.policy, loss_scale=self.loss_scale, bucket_size_mb=0.0005,
-            model=model)
+        options = {"accumulation_steps": self.accum.n, "reduction": self.reduction.name,
+                   "master_weights": self.masters, "accumulate_in_backward": self.in_backward,
+                   "max_grad_norm": {"max_grad_norm": CLIP,
+                                     "max_grad_norm-loose": CLIP_LOOSE}.get(self.clip),
+                   "nonfinite": self.nonfinite.policy, "loss_scale": self.loss_scale,
+                   "bucket_size_mb": 0.0005}
+        if self.case.get("construct") == "by-name" and inner is None:
+            cls = getattr(accumkernels.optimizers, self.opt.cls)
+            opt = cls(initial_params(self, model), **self.opt.kwargs_with_impl(), **options)
+        else:
+            if inner is None:
+                inner = self.opt.build(initial_params(self, model))
+                install_inner_hooks(self, inner)
+            opt = AccumulatingOptimizer(inner, **options, model=model)
         if self.hooks == "wrapper-post-hook":
             opt.register_step_post_hook(lambda o, args, kwargs: shrink(model.parameters()))
         return opt

@@ -134,7 +134,21 @@ RANK_DISAGREEMENTS = {
 }
 
 
+def package_names() -> set[str]:
+    """Every public name of the package and of its public modules (optimizers, integrations)."""
+    import importlib
+
+    import accumkernels
+
+    out = set(accumkernels.__all__)
+    for mod in ("optimizers", "integrations.transformers", "integrations.accelerate",
+                "integrations.lightning", "integrations.fabric", "integrations.pipelining"):
+        m = importlib.import_module(f"accumkernels.{mod}")
+        out |= {f"{mod}.{n}" for n in m.__all__}
+    return out
+
+
 def surface() -> dict[str, set[str]]:
-    return {"member": wrapper_members(), "option": wrapper_options(),
+    return {"package": package_names(), "member": wrapper_members(), "option": wrapper_options(),
             "optimizer": optimizer_classes(), "hook": user_hooks(), "model": module_actions(),
             "engine": engine_options(), "ranks": set(RANK_DISAGREEMENTS)}

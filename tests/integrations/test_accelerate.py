@@ -233,3 +233,32 @@ def fresh_state():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+def test_make_skips_visible_on_a_plain_accelerator():
+    """``make_skips_visible(prepared)`` on an optimizer a plain ``Accelerator`` prepared: a window
+    the wrapper skipped (a NaN) reads as ``step_was_skipped``, a real step does not; anything but
+    Accelerate's own AcceleratedOptimizer over a wrapper is refused by name, unchanged."""
+    from accelerate import Accelerator
+
+    from accumkernels import AccumulatingOptimizer
+    from accumkernels.integrations.accelerate import make_skips_visible
+
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = Accelerator(cpu=True)
+    model, prepared = accelerator.prepare(model, AccumulatingOptimizer(inner, model=model))
+    make_skips_visible(prepared)
+    make_skips_visible(prepared)  # twice: a no-op
+    for poison, skipped in ((float("nan"), True), (1.0, False)):
+        loss = model(torch.randn(3, 4)).sum() * poison
+        accelerator.backward(loss)
+        prepared.step()
+        prepared.zero_grad()
+        assert prepared.step_was_skipped is skipped
+        assert accelerator.optimizer_step_was_skipped is skipped
+    with pytest.raises(TypeError, match="AcceleratedOptimizer"):
+        make_skips_visible(inner)
+    plain = accelerator.prepare(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="no AccumulatingOptimizer"):
+        make_skips_visible(plain)
