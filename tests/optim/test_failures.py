@@ -138,6 +138,7 @@ def test_reset_window_after_a_failed_backward_resumes_training(in_backward):
         for x, y in data:  # Accelerate style: step() after every micro-batch
             mse(model, x, y).backward()
             opt.step()
+            opt.zero_grad()
         for x, y in data:
             mse(native, x, y).backward()
         native_opt.step()
@@ -183,6 +184,7 @@ def test_discarded_wrappers_leave_no_hooks_behind():
             for x, y in data:
                 mse(model, x, y).backward()
                 opt.step()
+                opt.zero_grad()
                 mse(native, x, y).backward()
             native_opt.step()
             native_opt.zero_grad()

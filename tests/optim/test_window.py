@@ -55,6 +55,7 @@ def test_mean_equals_one_large_batch(in_backward):
                 opt.accumulate()
         assert opt.sync_step and opt.micro_steps == N
         opt.step()
+        opt.zero_grad()
         assert opt.micro_steps == 0
         x = torch.cat([x for x, _ in data])
         y = torch.cat([y for _, y in data])
