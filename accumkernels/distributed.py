@@ -87,6 +87,21 @@ def check_weights(summed: list[float], world: int, rank: int, missing: int,
             "(all before their backward, or all after)")
 
 
+def check_phase(stepping: float, world: int, rank: int, here_stepping: bool,
+                others: str) -> None:
+    """After an all-reduce that ranks enter from different points of the loop (``stepping``:
+    how many of them entered it from ``step()``; the others from ``others``): the same
+    RuntimeError on every rank unless all or none of them are stepping. One rank's extra
+    ``step()`` meets the others' next collective here instead of leaving them waiting."""
+    if 0 < stepping < world:
+        raise RuntimeError(
+            f"AccumulatingOptimizer: the ranks disagree on where the window ends: {stepping:g} "
+            f"of the {world} ranks called step() while the others {others}; this rank (rank "
+            f"{rank}) {'called step()' if here_stepping else 'did not'}. Every rank must call "
+            "step() at the same point of its loop (each step() that ends a window is agreed "
+            "across the ranks)")
+
+
 class WindowReducer:
     """All-reduces a MasterGradBuffer's buckets (sum) and the window's bookkeeping."""
 
