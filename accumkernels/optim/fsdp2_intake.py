@@ -121,6 +121,12 @@ class ShardedIntake:
         queue_callback(end)
         self.hide_all()
 
+    def discard(self) -> None:
+        """``reset_window()``: gradients held for the rest of their group go with it (FSDP2
+        hands every gradient over during backward: nothing else waits to be moved)."""
+        self.settle()
+        self.pending = {}
+
     def settle(self) -> None:
         """Close a backward that raised (its final callback was dropped without running)."""
         if self._active and self._end_ref() is None:
