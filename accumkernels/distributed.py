@@ -87,6 +87,24 @@ def check_weights(summed: list[float], world: int, rank: int, missing: int,
             "(all before their backward, or all after)")
 
 
+def check_phase(stepping: float, world: int, rank: int, here_stepping: bool,
+                others: str) -> None:
+    """After an all-reduce that ranks enter from different points of the loop (``stepping``:
+    how many of them entered it from ``step()``; the others from ``others``): the same
+    RuntimeError on every rank unless all or none of them are stepping. One rank's extra
+    ``step()`` meets the others' next collective here instead of leaving them waiting."""
+    if 0 < stepping < world:
+        raise RuntimeError(
+            f"AccumulatingOptimizer: the ranks disagree on where the window ends: {stepping:g} "
+            f"of the {world} ranks called step() while the others {others}; this rank (rank "
+            f"{rank}) {'called step()' if here_stepping else 'did not'}. Every rank must call "
+            "step() at the same point of its loop (each step() that ends a window is agreed "
+            "across the ranks)")
+
+
+_SYNC_BACKWARD = "ran on into a DDP sync backward"
+
+
 class WindowReducer:
     """All-reduces a MasterGradBuffer's buckets (sum) and the window's bookkeeping."""
 
@@ -152,12 +170,28 @@ class WindowReducer:
                touched: list[bool], weights: tuple[int, str | None] = (0, None)
                ) -> WindowTotals:
         """Reduce every bucket not yet reduced, wait for all, then agree on the window."""
+        self.reduce_all()
+        return self.agree(micro_steps, kept, weight, found_inf, touched, weights)
+
+    def reduce_all(self) -> None:
+        """Reduce every bucket not yet reduced and wait for all."""
         for bucket in self.buffer.buckets:
             self.reduce_bucket(bucket)
         works, self._works = self._works, {}
         for work in works.values():
             self.wait(work, "gradient")
-        return self.agree(micro_steps, kept, weight, found_inf, touched, weights)
+
+    def meet_backward(self, num_params: int) -> None:
+        """DDP's sync backward, before its first bucket is reduced: the ranks meet in an
+        all-reduce shaped like :meth:`agree`'s, marked "not agreeing". A rank that calls
+        ``step()`` while the others run on into their sync backward agrees there (its first
+        collective) instead of sending its buckets into DDP's, whose sizes differ: every rank
+        raises alike (:func:`check_phase`)."""
+        device = next(iter(self.buffer.buffers))
+        # agree's length: head (4), found_inf, touched, weight counts (3), the phase
+        info = torch.zeros(9 + num_params, dtype=torch.float64, device=device)
+        self.wait(dist.all_reduce(info, group=self.group, async_op=True), "sync backward")
+        check_phase(info[-1].item(), self.world, self.rank, False, _SYNC_BACKWARD)
 
     def agree(self, micro_steps: int, kept: int, weight: float, found_inf: torch.Tensor,
               touched: list[bool], weights: tuple[int, str | None] = (0, None)
@@ -169,9 +203,11 @@ class WindowReducer:
         head = torch.tensor([micro_steps, micro_steps**2, kept, weight], dtype=torch.float64)
         info = torch.cat([head.to(device), found_inf.double().reshape(1),
                           torch.tensor(touched, dtype=torch.float64).to(device),
-                          weight_counts(*weights).to(device)])
+                          weight_counts(*weights).to(device),
+                          torch.ones(1, dtype=torch.float64, device=device)])
         self.wait(dist.all_reduce(info, group=self.group, async_op=True), "window bookkeeping")
         values = info.tolist()
+        check_phase(values.pop(), self.world, self.rank, True, _SYNC_BACKWARD)
         # Every rank ran m micro-batches iff sum(m^2) * world == sum(m)^2 (Cauchy-Schwarz).
         if values[1] * self.world != values[0] ** 2:
             raise RuntimeError(

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from accumkernels._util import LOW_PRECISION
-from accumkernels.distributed import WindowTotals, check_weights, weight_counts
+from accumkernels.distributed import WindowTotals, check_phase, check_weights, weight_counts
 from accumkernels.optim import fsdp2_checkpoint
 from accumkernels.optim.fsdp2_intake import ShardedIntake, ShardedWindow
 from accumkernels.optim.fsdp2_recipe import RECIPE, dtensor_type, tensor_parallel_error
@@ -33,6 +33,8 @@ from accumkernels.optim.sync import LocalSync
 from accumkernels._torch_private import fsdp2_offload_unsafe
 
 __all__ = ["MeshSync", "ShardedLayout"]
+
+_FORWARD = "ran the forward of another micro-batch"
 
 
 def _fsdp_groups(model: torch.nn.Module, params: list[torch.Tensor]):
@@ -205,14 +207,30 @@ class MeshSync(LocalSync):
         weights = self.weight_state()
         info = torch.cat([head.to(found_inf.device), found_inf.double().reshape(1),
                           torch.tensor(w.held(self.params), dtype=torch.float64)
-                          .to(found_inf.device), weight_counts(*weights).to(found_inf.device)])
+                          .to(found_inf.device), weight_counts(*weights).to(found_inf.device),
+                          torch.ones(1, dtype=torch.float64, device=found_inf.device)])
         values = self.all_reduce(info, "window bookkeeping").tolist()
+        check_phase(values.pop(), self.world, dist.get_rank(), True, _FORWARD)
         if values[1] * self.world != values[0] ** 2:  # Cauchy-Schwarz: every rank ran m
             raise RuntimeError(
                 f"AccumulatingOptimizer (FSDP2): the ranks disagree on the window: this rank ran "
                 f"{micro_steps} micro-batches, the {self.world} ranks {values[0]:g} in all")
         check_weights(values[-3:], self.world, dist.get_rank(), *weights)
         return values
+
+    def forward_begins(self) -> None:
+        """``accumulation_steps=None``: before a forward's first FSDP2 collective (its
+        all-gather), the mesh meets in an all-reduce shaped like the step's bookkeeping, marked
+        "not stepping". Every step() ends a window there, so a rank that calls step() while
+        the others run on meets them here (not in FSDP2's all-gather, which would wait
+        forever), and every rank raises alike (accumkernels.distributed.check_phase)."""
+        if self.window is None:
+            return
+        device = next(iter(self.window.storage.buffers), torch.device("cpu"))
+        # the bookkeeping's length: head (4), found_inf, held params, weight counts (3), phase
+        info = torch.zeros(9 + len(self.params), dtype=torch.float64, device=device)
+        stepping = self.all_reduce(info, "forward")[-1].item()
+        check_phase(stepping, self.world, dist.get_rank(), False, _FORWARD)
 
     def finish(self, found_inf: torch.Tensor) -> WindowTotals:
         values = self._bookkeeping(found_inf)
@@ -285,7 +303,7 @@ class ShardedLayout:
             p.main_grad = shown
 
     def intake(self, parts, storage: ShardedWindow, events, outside) -> ShardedIntake:
-        return ShardedIntake(parts, storage, events, self.groups, self.modules)
+        return ShardedIntake(parts, storage, events, self.groups, self.modules, root=self.model)
 
     def sync(self, config, process_group, ddp, window, params) -> MeshSync:
         weighted = config.reduction == "weighted"

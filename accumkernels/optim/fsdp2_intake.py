@@ -73,7 +73,7 @@ class ShardedIntake:
     """Hooks and fused launches for one FSDP2 wrapper (see the module docstring)."""
 
     def __init__(self, parts, storage: ShardedWindow, events, groups: list[list[int]],
-                 modules: list[torch.nn.Module]):
+                 modules: list[torch.nn.Module], root: torch.nn.Module | None = None):
         self.config, self.window, self.nonfinite = parts.config, parts.window, parts.nonfinite
         self.scaler, self.events = parts.scaler, events
         params = parts.params
@@ -93,6 +93,11 @@ class ShardedIntake:
             self.handles.append(module.register_forward_hook(_forward_hook(me)))
         for i, p in enumerate(params):
             self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
+        if root is not None and parts.config.accumulation_steps is None:
+            # every step() ends a window: the mesh meets before each forward's all-gather
+            # (MeshSync.forward_begins), ahead of FSDP2's own pre-forward hook
+            self.handles.append(root.register_forward_pre_hook(_pre_forward_hook(parts),
+                                                               prepend=True))
 
     def remove(self) -> None:
         """Detach from the model and its params (idempotent)."""
@@ -115,6 +120,12 @@ class ShardedIntake:
         self._end_ref = weakref.ref(end)
         queue_callback(end)
         self.hide_all()
+
+    def discard(self) -> None:
+        """``reset_window()``: gradients held for the rest of their group go with it (FSDP2
+        hands every gradient over during backward: nothing else waits to be moved)."""
+        self.settle()
+        self.pending = {}
 
     def settle(self) -> None:
         """Close a backward that raised (its final callback was dropped without running)."""
@@ -237,6 +248,16 @@ def _forward_hook(intake_ref):
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, _begin_hook(intake_ref),
                                                           mode="any")
+    return hook
+
+
+def _pre_forward_hook(parts):
+    parts = weakref.ref(parts)
+
+    def hook(module, args):
+        live = parts()
+        if live is not None:
+            live.sync.forward_begins()
     return hook
 
 

@@ -70,6 +70,8 @@ class DDPSync(LocalSync):
 
     def reduce(self, params: list[torch.Tensor]) -> torch.futures.Future:
         """From DDP's comm hook, on a sync backward: average the fp32 window of ``params``."""
+        if not self.synced:  # the backward's first bucket: no rank is in step() instead
+            self.reducer.meet_backward(len(self.params))
         self.flush(params)  # gradients waiting for the rest of a wrapper bucket
         storage, group = self.window.storage, self.ddp_group
         views = []
@@ -154,8 +156,11 @@ class DDPSync(LocalSync):
             for flat in self.window.storage.buffers.values():
                 flat.div_(world)
             w = self.window
-            self.totals = self.reducer.finish(w.micro_steps, w.kept, w.local_weight(), found_inf,
-                                              w.held(self.params), self.weight_state())
+            # agreed first: a rank here meets others that run on into a sync backward in its
+            # first collective (DDPSync.reduce), never with buckets shaped apart from DDP's
+            self.totals = self.reducer.agree(w.micro_steps, w.kept, w.local_weight(), found_inf,
+                                             w.held(self.params), self.weight_state())
+            self.reducer.reduce_all()
             self.totals.averaged = True
             self.clean, self.stale = True, False  # reduced: a second call returns the same
         elif self.stale or self.weighted:  # weighted: a weight reported after the sync on

@@ -128,6 +128,68 @@ def faulty(fault: str, group: bool) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}", "where": where}
 
 
+EXTRA_STEP = {  # name: (DDP options or None for process_group, reduction, add_weight first)
+    # DDP's buckets (one per param; DDP's first bucket holds <= 1 MiB) and the wrapper's (one
+    # of 1.5 MB) differ: the collectives the ranks meet in first differ in size
+    "ddp_small_buckets": ({"bucket_cap_mb": 1e-4}, "sum", False),
+    "ddp_weighted_before": ({}, "weighted", True),
+    "group_weighted_after": (None, "weighted", False),
+}
+
+
+def extra_step(name: str) -> dict:
+    """``accumulation_steps=None``, 2 windows of ACCUM micro-batches (DDP: no_sync but on the
+    last): rank 1 calls ``step()`` after window 1's micro-batch 1 as well (after DDP rebuilt
+    its buckets: its first backward has one bucket of every param). What each rank raises,
+    and where."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from accumkernels import AccumulatingOptimizer
+
+    rank = dist.get_rank()
+    options, reduction, weight_first = EXTRA_STEP[name]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 600), torch.nn.Tanh(),
+                                torch.nn.Linear(600, 600), torch.nn.Tanh(),
+                                torch.nn.Linear(600, 4))
+    ddp = model if options is None else DDP(model, **options)
+    reduce = {"process_group": dist.group.WORLD} if options is None else {"model": ddp}
+    opt = AccumulatingOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1),
+                                accumulation_steps=None, reduction=reduction, **reduce)
+    opt.collective_timeout = 20.0  # a hang fails the test fast, never passes it
+    where = "start"
+    try:
+        for w in range(2):
+            for i in range(ACCUM):
+                x, y = data(rank, w, i)
+                if reduction == "weighted" and weight_first:
+                    opt.add_weight(float(x.shape[0]))
+                where = f"backward {w}.{i}"
+                ctx = ddp.no_sync() if i < ACCUM - 1 and options is not None \
+                    else contextlib.nullcontext()
+                with ctx:
+                    torch.nn.functional.mse_loss(ddp(x), y, reduction="sum").backward()
+                if reduction == "weighted" and not weight_first:
+                    opt.add_weight(float(x.shape[0]))
+                if rank == 1 and (w, i) == (1, 1):
+                    where = f"step {w}.{i}"
+                    opt.step()
+            where = f"step {w}"
+            opt.step()
+            opt.zero_grad()
+        return {"error": None, "params": [p.detach().clone() for p in ddp.parameters()]}
+    except Exception as exc:  # noqa: BLE001 - the test reads the type, message and place
+        return {"error": f"{type(exc).__name__}: {exc}", "where": where}
+
+
+def step_scenarios() -> dict:
+    out = {}
+    for name in EXTRA_STEP:
+        out[name] = extra_step(name)
+        dist.barrier()
+    return out
+
+
 def fault_scenarios() -> dict:
     out = {}
     for group in (False, True):
@@ -157,7 +219,8 @@ def scenarios() -> dict:
 def _rank_main(rank: int, out_dir: str, name: str, kwargs: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    run_scenario(rank, out_dir, 2, fault_scenarios if name == "faults" else scenarios)
+    run_scenario(rank, out_dir, 2, {"faults": fault_scenarios,
+                                    "steps": step_scenarios}.get(name, scenarios))
 
 
 def run_ranks(tmp_path, timeout: float = 150.0, name: str = "ddp_weighted") -> list[dict]:

@@ -300,3 +300,41 @@ def scenario_weight_faults(world: int) -> dict:
         opt.remove_hooks()
         dist.barrier()
     return out
+
+
+def scenario_extra_step(world: int) -> dict:
+    """``accumulation_steps=None`` (every ``step()`` ends the window): first every rank steps
+    after each of 2 windows of ACCUM micro-batches (no error; the same full params on every
+    rank), then rank 1 alone calls ``step()`` once more, after micro-batch 1 of 3. What each
+    rank raises, and where (a collective timeout of 20 s: a hang fails fast)."""
+    from accumkernels import AccumulatingOptimizer
+
+    rank = dist.get_rank()
+    out = {}
+    for case in ("together", "alone"):
+        model = build((world,))
+        opt = AccumulatingOptimizer(make_inner(model, "sgd"), accumulation_steps=None,
+                                    model=model)
+        opt.collective_timeout = 20.0
+        where = "start"
+        try:
+            for w in range(2):
+                for i in range(ACCUM):
+                    x, y = micro_batch(rank, w, i)
+                    where = f"forward {w}.{i}"
+                    loss = torch.nn.functional.mse_loss(model(x, use_extra=True).float(), y)
+                    where = f"backward {w}.{i}"
+                    loss.backward()
+                    if case == "alone" and rank == 1 and (w, i) == (0, 1):
+                        where = f"step {w}.{i}"
+                        opt.step()
+                where = f"step {w}"
+                opt.step()
+                opt.zero_grad()
+            out[case] = {"error": None, "params": [p.detach().full_tensor()
+                                                   for p in model.parameters()]}
+        except Exception as exc:  # noqa: BLE001 - the test reads the type, message and place
+            out[case] = {"error": f"{type(exc).__name__}: {exc}", "where": where}
+        opt.remove_hooks()
+        dist.barrier()
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ddp_weighted_workers import WINDOWS, run_ranks
+from _ddp_weighted_workers import EXTRA_STEP, WINDOWS, run_ranks
 
 pytest.importorskip("torch.distributed")
 
@@ -70,3 +70,22 @@ def test_ranks_that_disagree_on_weights_raise_alike(faults, layout, fault):
     for rank, e in enumerate(errors):
         assert e.startswith(kind) and needle in e, (name, rank, e)
         assert "add_weight" in e, (name, rank, e)
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    return run_ranks(tmp_path_factory.mktemp("ddp_extra_step"), name="steps")
+
+
+@pytest.mark.parametrize("case", list(EXTRA_STEP))
+def test_a_rank_that_steps_alone_raises_alike(steps, case):
+    """``accumulation_steps=None``: rank 1 calls ``step()`` after window 1's micro-batch 1 while
+    rank 0 runs on (DDP: into its sync backward, whose buckets need not match the wrapper's). Every
+    rank raises an error naming step() where they meet next -- never a hang in mismatched
+    collectives, never ranks stepped apart."""
+    errors = [out[case]["error"] for out in steps]
+    assert all(e is not None for e in errors), (case, steps[0][case], steps[1][case])
+    for rank, e in enumerate(errors):
+        assert e.startswith("RuntimeError") and "step()" in e, (case, rank, e)
+    if case.startswith("ddp"):  # met in rank 0's sync backward, before its first bucket
+        assert [out[case]["where"] for out in steps] == ["backward 1.2", "step 1.1"], steps

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _fsdp2_scenarios import (scenario_memory, scenario_nonfinite, scenario_refusals,
-                              scenario_weight_faults,
+                              scenario_extra_step, scenario_weight_faults,
                               scenario_resume, scenario_resume_other_world, scenario_wire_bound,
                               scenario_wire_pair, scenario_written_nonfinite)
 from _fsdp2_workers import ACCUM, CLIP, WINDOWS, run_ranks
@@ -54,6 +54,7 @@ WEIGHTS = {  # (a launch of its own: its scenarios raise, or did)
                              "weight_first": True},
     "faults": {"fn": scenario_weight_faults},
 }
+STEPS = {"extra_step": {"fn": scenario_extra_step}}  # (a launch of its own: it raises, or hung)
 FOUR_RANKS = {
     "uneven_empty": {},
     "hsdp": {"hsdp": True, "clip": "wrapper"},
@@ -78,6 +79,11 @@ def two(tmp_path_factory, checkpoint_dir):
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     return run_ranks(tmp_path_factory.mktemp("fsdp2_weights"), 2, WEIGHTS, timeout=200)
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    return run_ranks(tmp_path_factory.mktemp("fsdp2_steps"), 2, STEPS, timeout=200)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +157,23 @@ def test_ranks_that_disagree_on_weights_raise_alike(weights, fault):
     for rank, results in enumerate(weights):
         msg = results["faults"][fault]
         assert msg is not None and msg.startswith(kind) and needle in msg, (fault, rank, msg)
+
+
+def test_a_rank_that_steps_alone_raises_alike(steps):
+    """``accumulation_steps=None``: rank 1 calls ``step()`` after micro-batch 1 while rank 0
+    runs on into micro-batch 2's forward (FSDP2's all-gather). Every rank raises the same
+    error naming step() -- rank 1 in its step, rank 0 before its forward's all-gather --
+    never a hang in FSDP2's collectives. Ranks that step together train on, identically."""
+    together = [results["extra_step"]["together"] for results in steps]
+    assert all(r["error"] is None for r in together), together
+    for a, b in zip(together[0]["params"], together[1]["params"]):
+        assert torch.equal(a, b)
+    alone = [results["extra_step"]["alone"] for results in steps]
+    for rank, r in enumerate(alone):
+        assert r["error"] is not None and r["error"].startswith("RuntimeError"), (rank, r)
+        assert "disagree on where the window ends" in r["error"], (rank, r)
+        assert "step()" in r["error"], (rank, r)
+    assert alone[0]["where"] == "forward 0.2" and alone[1]["where"] == "step 0.1", alone
 
 
 def test_mean_divides_native_window_by_n(two):
