@@ -145,12 +145,15 @@ def two_ranks(tmp_path_factory):
                        2, timeout=180)
 
 
-def test_ddp_save_state_mid_window_is_refused_on_the_other_rank(two_ranks):
+def test_ddp_save_state_mid_window_is_refused_on_every_rank(two_ranks):
+    """Accelerate saves rank 0's optimizer only: a mid-window (rank-local) window would reach
+    rank 1 as rank 0's, so every rank refuses it alike (one small all-reduce decides), and
+    neither trains on while the other waits."""
     r0, r1 = (r["resumed"] for r in two_ranks)
     assert all(r["warned"] for r in two_ranks), "state_dict() did not warn"
-    assert "refused" not in r0 and r0["micro_steps"] == SAVE_AFTER - ACCUM, r0
-    assert "refused" in r1, "rank 1 silently took rank 0's window"
-    assert "rank 0's window" in r1["refused"] and "rank 1 of 2" in r1["refused"]
+    for r in (r0, r1):
+        assert "refused" in r, "a rank silently took rank 0's window"
+        assert "middle of a window" in r["refused"] and "window boundary" in r["refused"]
 
 
 def test_accelerate_fsdp2_plugin_is_ignored_on_cpu(two_ranks):

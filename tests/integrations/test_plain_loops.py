@@ -121,6 +121,7 @@ def test_plain_mean_reduction_short_last_window():
     for batch in micro_batches:
         ours(**batch).loss.backward()
         opt.step()
+        opt.zero_grad()  # kept mid-window (N given)
     assert opt.micro_steps == 2
     opt.flush()
     assert opt.micro_steps == 0
@@ -179,6 +180,7 @@ def test_plain_weighted_reduction_is_per_token_mean():
         loss.backward()
         opt.add_weight(n_tokens)
         opt.step()
+        opt.zero_grad()  # kept mid-window (N given)
 
     assert_moved(ours, start)
     assert_same_params(native, ours)
