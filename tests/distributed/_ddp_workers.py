@@ -446,6 +446,7 @@ def scenario_no_ddp(rank: int) -> dict:
                     (loss_fn(model(x), y) / ACCUM).backward()
                     (loss_fn(reference(x), y) / ACCUM).backward()
                 opt.step()
+                opt.zero_grad()
                 ref_opt.step()
                 ref_opt.zero_grad()
         except Exception as exc:

@@ -44,6 +44,7 @@ def single_process_reference(device: str = "cpu") -> list[torch.Tensor]:
         for x, y in microbatches(step):
             loss_fn(model, x.to(device), y.to(device)).backward()
             opt.step()
+            opt.zero_grad()  # kept mid-window (N given)
     return [p.detach().cpu() for p in model.parameters()]
 
 
