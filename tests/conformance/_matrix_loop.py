@@ -20,7 +20,6 @@ from _matrix_actions import (Frozen, clear, frozen_micro, initial_params, instal
                              install_model_hooks, last_layer, shrink)
 from _matrix_oracle import CLIP, CLIP_LOOSE, Reference
 
-import accumkernels.optimizers
 from accumkernels import AccumulatingOptimizer
 
 NAN_AT, CKPT_AT = (1, 1), (1, 0)
@@ -62,6 +61,8 @@ class Ctx:
                    "nonfinite": self.nonfinite.policy, "loss_scale": self.loss_scale,
                    "bucket_size_mb": 0.0005}
         if self.case.get("construct") == "by-name" and inner is None:
+            import accumkernels.optimizers
+
             cls = getattr(accumkernels.optimizers, self.opt.cls)
             opt = cls(initial_params(self, model), **self.opt.kwargs_with_impl(), **options)
         else:
