@@ -113,7 +113,7 @@ def clip_across_stages(optimizers, group=None) -> None:
     step all of them at every window end (each step takes part in one all-reduce of a float
     over ``group`` per window)."""
     from accumkernels.optim.optimizer import AccumulatingOptimizer
-    from accumkernels.optim.sync import StageNorm
+    from accumkernels.optim.stage_norm import StageNorm
 
     optimizers = list(optimizers)
     for opt in optimizers:
