@@ -284,11 +284,14 @@ class StepRow:
                                                foreach=spec.foreach or None)
             self.opt = self.inner
             self.steps = 0
-            self.inner.register_step_post_hook(lambda *_: self._count())
             if spec.kind == "wrapper":
                 self.opt = accumkernels.AccumulatingOptimizer(
                     self.inner, accumulation_steps=micro_batches if declare_n else None,
                     **spec.options)
+            # counted on the optimizer the row calls (the wrapper's hooks fire once per real
+            # step): a hook on the inner optimizer would take the fused master step off, which
+            # runs torch's own step between the inner's hooks
+            self.opt.register_step_post_hook(lambda *_: self._count())
         except Exception as exc:  # noqa: BLE001 - e.g. no fused AdamW on this device
             self.error = _error(exc)
 
@@ -319,7 +322,7 @@ class StepRow:
             torch._foreach_copy_(self.low, list(self.model.parameters()))
 
     def inner_steps(self) -> int:
-        """Steps the inner optimizer took (its step post-hook's count)."""
+        """Real steps the row took (a step post-hook's count)."""
         return self.steps if self.inner is not None else 0
 
     def close(self) -> None:
