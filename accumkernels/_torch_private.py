@@ -107,6 +107,25 @@ def record_scheduler_step(optimizer, *, at_least: bool = False) -> None:
         patched = getattr(patched, "__wrapped__", None)
 
 
+def initial_state_hook(optimizer: torch.optim.Optimizer, seen) -> bool:
+    """Call ``seen(group)`` after each ``_init_group(group, ...)`` of ``optimizer`` (an instance
+    the caller owns: the hook is set on it), where every torch.optim class with lazy state creates
+    a param's first state before its update: the state a fresh optimizer steps from (Rprop's
+    ``step_size`` = lr, ASGD's ``eta``/``mu``, NAdam's ``mu_product``; none for SGD's momentum,
+    made by the update). False for a class without ``_init_group`` (LBFGS, SparseAdam, custom)."""
+    init = getattr(type(optimizer), "_init_group", None)
+    if init is None:
+        return False
+
+    def init_then_record(group, *args, **kwargs):
+        out = init(optimizer, group, *args, **kwargs)
+        seen(group)
+        return out
+
+    optimizer._init_group = init_then_record
+    return True
+
+
 # -- versions --------------------------------------------------------------------------------------
 # The declared floor (pyproject.toml) is the oldest torch the whole suite passed on; below it, each
 # feature below is still checked where it is used, so a missing one is refused by name.
