@@ -155,6 +155,18 @@ class Intake:
         if self._active and not self._deferred and self._end_ref() is None:
             self.end_backward()
 
+    def notice_clears(self) -> None:
+        """Apply a clear from outside (``model.zero_grad()``, ``p.grad = None``) made since the
+        last call now, before a call that changes the window (``add_weight``): a weight
+        reported after the clear belongs to the window after it, as natively."""
+        self.settle()
+        if self._active:
+            return  # (inside a backward the views are hidden by the wrapper, not cleared)
+        if self._unmoved_grads:
+            self._cleared_unmoved()
+        if self.guard.shown:
+            self.guard.cleared_outside()
+
     def defer_to(self, node) -> None:
         self._deferred = True
 

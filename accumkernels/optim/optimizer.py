@@ -329,6 +329,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 f"add_weight() needs reduction='weighted' (this one is {self.config.reduction!r})")
         value = positive_weight(weight)
         parts = self._parts
+        self._intake.notice_clears()  # (a clear since the last call ends the window first)
         parts.window.add_weight(value)
         parts.sync.weight_added()  # DDP: a weight after the sync's agreement is agreed at step()
         if parts.window.complete and not parts.sync.active:
