@@ -162,8 +162,9 @@ class Intake:
         self.settle()
         if self._active:
             return  # (inside a backward the views are hidden by the wrapper, not cleared)
-        if self._unmoved_grads:
-            self._cleared_unmoved()
+        refs = self._unmoved_grads
+        if refs and any(self.params[i].grad is None for i in refs):
+            self._cleared_unmoved()  # (it forgets the gradients it looks at: only if cleared)
         if self.guard.shown:
             self.guard.cleared_outside()
 
