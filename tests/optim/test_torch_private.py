@@ -63,6 +63,21 @@ def test_initial_state_hook_sees_the_state_before_the_update(cls):
     assert not tp.initial_state_hook(torch.optim.LBFGS([p]), lambda g: None)
 
 
+def test_post_accumulate_hook_runs_first_after_reordering():
+    p = torch.nn.Parameter(torch.randn(3))
+    assert not tp.has_post_accumulate_hooks(p), "has_post_accumulate_hooks: none yet"
+    log = []
+    user = p.register_post_accumulate_grad_hook(lambda t: log.append("user"))
+    assert tp.has_post_accumulate_hooks(p), "has_post_accumulate_hooks: _post_accumulate_grad_hooks"
+    ours = p.register_post_accumulate_grad_hook(lambda t: log.append("ours"))
+    tp.run_post_accumulate_hook_first(p, ours)
+    (p * 2).sum().backward()
+    assert log == ["ours", "user"], "run_post_accumulate_hook_first: the engine's order"
+    user.remove()
+    (p * 2).sum().backward()
+    assert log == ["ours", "user", "ours"], "run_post_accumulate_hook_first: handles still remove"
+
+
 def test_global_step_hooks_are_the_registries_torch_fills():
     pre, post = tp.global_step_hooks()
     handle = register_optimizer_step_pre_hook(lambda *a: None)
