@@ -42,8 +42,11 @@ import weakref
 
 import torch
 
-from accumkernels._torch_private import (has_post_accumulate_hooks, queue_callback,
-                                         run_post_accumulate_hook_first)
+from accumkernels._torch_private import (
+    has_post_accumulate_hooks,
+    queue_callback,
+    run_post_accumulate_hook_first,
+)
 from accumkernels._util import LOW_PRECISION
 from accumkernels.buffer import Bucket, MasterGradBuffer
 from accumkernels.optim.backward import EndOfBackward, remove_handles
