@@ -68,17 +68,19 @@ def params_of(model):
 
 def run_loop(model, opt, data, zero_grad=None, per_microbatch_step=False, in_backward=True):
     """One micro-batch per (x, y): step at the boundary (Trainer-style) or after every micro-batch
-    (Accelerate-style), zero_grad() after every micro-batch if asked."""
+    (Accelerate-style), zero_grad() after every micro-batch if asked, else after each real step
+    (without any clear the next window adds to the last, as natively)."""
     for x, y in data:
         mse(model, x, y).backward()
         if not in_backward:
             opt.accumulate()
-        if per_microbatch_step:
-            opt.step()
-        if opt.sync_step and not per_microbatch_step:
+        real = opt.sync_step
+        if per_microbatch_step or real:
             opt.step()
         if zero_grad is not None:  # mid-window with N: the window survives
             opt.zero_grad(set_to_none=zero_grad)
+        elif real:
+            opt.zero_grad()
 
 
 # -- what a caller can observe, comparisons, a checkpoint's round trip -----------------------------

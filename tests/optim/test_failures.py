@@ -138,6 +138,7 @@ def test_reset_window_after_a_failed_backward_resumes_training(in_backward):
         for x, y in data:  # Accelerate style: step() after every micro-batch
             mse(model, x, y).backward()
             opt.step()
+        opt.zero_grad()  # (as the native loop clears)
         for x, y in data:
             mse(native, x, y).backward()
         native_opt.step()
@@ -184,6 +185,7 @@ def test_discarded_wrappers_leave_no_hooks_behind():
                 mse(model, x, y).backward()
                 opt.step()
                 mse(native, x, y).backward()
+            opt.zero_grad()  # (as the native loop clears)
             native_opt.step()
             native_opt.zero_grad()
             assert_params_close(model, native, what=f"window {w}: ")
