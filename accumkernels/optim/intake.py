@@ -93,7 +93,7 @@ class Intake:
         self.forgotten_line = False  # a pipeline weight pass ran outside weight_pass()
         # params with hooks of the user's before the wrapper's (_front_hook): moved alone,
         # in this backward; with skip_microbatch their views before it and their gradients
-        self._early: set[int] = set()
+        self._early: dict[int, bool] = {}  # param index -> counted toward its bucket
         self._early_saved: dict[int, torch.Tensor | None] = {}
         self._early_grads: list[torch.Tensor] = []
         self.handles: list = []
@@ -244,31 +244,14 @@ class Intake:
             self._early_grads.append(g)
         self._move([p], [g])
         p.grad = view
-        if i in self._early:
-            return  # (a second gradient in this backward: reentrant checkpointing)
-        self._early.add(i)
-        if self._check_each_microbatch:
-            return  # (the rest of its bucket is moved at the end of the backward)
-        index = self._bucket_index[i]
-        flushed = self._flushed[index] = self._flushed.get(index, 0) + 1
-        pend = self.pending.get(index, {})
-        if len(pend) + flushed == self._bucket_len[index]:
-            self.pending.pop(index, None)
-            if pend:
-                self._launch_held(index, pend)
-            else:
-                self._bucket_moved(self.buffer.buckets[index])
+        self._early.setdefault(i, False)  # (its bucket hears of it after the user's hooks)
 
     def after_grad(self, i: int) -> None:
         p = self.params[i]
         if not p.requires_grad:  # frozen since the forward: autograd stored nothing (native
             return  # .grad stays as it was), so this is no gradient of a micro-batch
         if i in self._early:  # moved by front_grad; the user's hooks ran on the window
-            g = p.grad
-            if g is not None and g is not self.views[i] and not g.requires_grad:
-                self.absorb(p, g)  # a .grad the user's hook assigned: p's gradient now
-            # hidden again in a multi-rank job (DDP must not see the window: module docstring)
-            p.grad = None if self.sync.ddp_possible() else self.views[i]
+            self._after_user_hooks(i)
             return
         if self._starting():
             self._begin()
@@ -297,6 +280,28 @@ class Intake:
             del self.pending[index]
             self._launch_held(index, pend)
 
+    def _after_user_hooks(self, i: int) -> None:
+        """Param i, moved by front_grad, after the user's hooks wrote its window: now it counts
+        toward its bucket (whose reduction across ranks may start when it is complete)."""
+        p = self.params[i]
+        g = p.grad
+        if g is not None and g is not self.views[i] and not g.requires_grad:
+            self.absorb(p, g)  # a .grad the user's hook assigned: p's gradient now
+        # hidden again in a multi-rank job (DDP must not see the window: module docstring)
+        p.grad = None if self.sync.ddp_possible() else self.views[i]
+        if self._early[i] or self._check_each_microbatch:
+            return  # (counted already; skip_microbatch moves the rest at the end)
+        self._early[i] = True
+        index = self._bucket_index[i]
+        flushed = self._flushed[index] = self._flushed.get(index, 0) + 1
+        pend = self.pending.get(index, {})
+        if len(pend) + flushed == self._bucket_len[index]:
+            self.pending.pop(index, None)
+            if pend:
+                self._launch_held(index, pend)
+            else:
+                self._bucket_moved(self.buffer.buckets[index])
+
     def flush(self, params: list[torch.Tensor]) -> None:
         """Move the pending gradients of ``params`` now, before their bucket is complete
         (DDP's comm hook reduces them in DDP's buckets, which are cut elsewhere)."""
@@ -317,7 +322,7 @@ class Intake:
         self._active, self._deferred, self._end_ref = False, False, None
         pending, self.pending = self.pending, {}
         self._flushed = {}
-        early, self._early_grads, self._early = self._early_grads, [], set()
+        early, self._early_grads, self._early = self._early_grads, [], {}
         saved, self._early_saved = self._early_saved, {}
         kept = True
         if pending or early:
