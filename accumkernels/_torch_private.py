@@ -47,6 +47,28 @@ def compiled_autograd_on() -> bool:
                                     or getattr(ca, "compiled_autograd_enabled", False)))
 
 
+# -- tensor hooks -----------------------------------------------------------------------------------
+# A param's post-accumulate-grad hooks run in the order of the dict ``_post_accumulate_grad_hooks``
+# (handle id -> hook) that ``register_post_accumulate_grad_hook`` fills; the engine walks it with
+# PyDict_Next, i.e. in the dict's insertion order (``OrderedDict.move_to_end`` does not change
+# that order). There is no public way to run a hook before those registered earlier.
+def has_post_accumulate_hooks(p: torch.Tensor) -> bool:
+    """Whether ``p`` has post-accumulate-grad hooks (registered by anyone, so far)."""
+    return bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def run_post_accumulate_hook_first(p: torch.Tensor, handle) -> None:
+    """Make the hook of ``handle`` (``p.register_post_accumulate_grad_hook``'s) run before
+    the hooks registered on ``p`` earlier; their handles still remove them."""
+    hooks = p._post_accumulate_grad_hooks
+    items = list(hooks.items())
+    hooks.clear()
+    hooks[handle.id] = dict(items)[handle.id]
+    for key, hook in items:
+        if key != handle.id:
+            hooks[key] = hook
+
+
 # -- DistributedDataParallel ------------------------------------------------------------------------
 def ddp_comm_hooks(ddp) -> list:
     """The Python hooks given to ``register_comm_hook`` (DDP keeps (hook, state) pairs in
@@ -105,6 +127,25 @@ def record_scheduler_step(optimizer, *, at_least: bool = False) -> None:
             count = getattr(optimizer, "_step_count", 0)
             optimizer._step_count = max(count, 1) if at_least else count + 1
         patched = getattr(patched, "__wrapped__", None)
+
+
+def initial_state_hook(optimizer: torch.optim.Optimizer, seen) -> bool:
+    """Call ``seen(group)`` after each ``_init_group(group, ...)`` of ``optimizer`` (an instance
+    the caller owns: the hook is set on it), where every torch.optim class with lazy state creates
+    a param's first state before its update: the state a fresh optimizer steps from (Rprop's
+    ``step_size`` = lr, ASGD's ``eta``/``mu``, NAdam's ``mu_product``; none for SGD's momentum,
+    made by the update). False for a class without ``_init_group`` (LBFGS, SparseAdam, custom)."""
+    init = getattr(type(optimizer), "_init_group", None)
+    if init is None:
+        return False
+
+    def init_then_record(group, *args, **kwargs):
+        out = init(optimizer, group, *args, **kwargs)
+        seen(group)
+        return out
+
+    optimizer._init_group = init_then_record
+    return True
 
 
 # -- versions --------------------------------------------------------------------------------------

@@ -36,20 +36,21 @@ __all__ = ["AccumulatingAccelerator", "make_skips_visible"]
 
 
 class _SkipTracker:
-    """Step hooks on the wrapper (torch's ``register_step_pre_hook``/``post_hook``): whether
-    its last ``step()`` dropped the window (``skipped_steps`` went up)."""
+    """Whether the wrapper's last window end dropped the window: ``skipped_steps`` went up since
+    its last real step (marked by a step post-hook on the wrapper, which fires on real steps
+    only, as torch's fires only when GradScaler lets ``optimizer.step()`` run)."""
 
     def __init__(self, wrapper):
-        self.before = 0
-        self.skipped = False
-        wrapper.register_step_pre_hook(self._pre)
+        self.wrapper = wrapper
+        self.mark = wrapper.skipped_steps
         wrapper.register_step_post_hook(self._post)
 
-    def _pre(self, wrapper, args, kwargs) -> None:
-        self.before = wrapper.skipped_steps
-
     def _post(self, wrapper, args, kwargs) -> None:
-        self.skipped = wrapper.skipped_steps != self.before
+        self.mark = wrapper.skipped_steps
+
+    @property
+    def skipped(self) -> bool:
+        return self.wrapper.skipped_steps != self.mark
 
 
 @functools.cache

@@ -42,7 +42,11 @@ import weakref
 
 import torch
 
-from accumkernels._torch_private import queue_callback
+from accumkernels._torch_private import (
+    has_post_accumulate_hooks,
+    queue_callback,
+    run_post_accumulate_hook_first,
+)
 from accumkernels._util import LOW_PRECISION
 from accumkernels.buffer import Bucket, MasterGradBuffer
 from accumkernels.optim.backward import EndOfBackward, remove_handles
@@ -87,6 +91,11 @@ class Intake:
         self.in_weight_pass = False  # inside weight_pass(): the window stays hidden
         self.counted = False  # a backward counted itself (since the weight pass began)
         self.forgotten_line = False  # a pipeline weight pass ran outside weight_pass()
+        # params with hooks of the user's before the wrapper's (_front_hook): moved alone,
+        # in this backward; with skip_microbatch their views before it and their gradients
+        self._early: dict[int, bool] = {}  # param index -> counted toward its bucket
+        self._early_saved: dict[int, torch.Tensor | None] = {}
+        self._early_grads: list[torch.Tensor] = []
         self.handles: list = []
         self.guard = Guard(self)
         me = weakref.ref(self)
@@ -94,7 +103,12 @@ class Intake:
             if _HAS_GRAD_DTYPE and p.dtype in LOW_PRECISION:
                 p.grad = None
                 p.grad_dtype = None  # any dtype may sit in .grad: the fp32 view, or bf16 grads
+            user_hooks = has_post_accumulate_hooks(p)  # registered before wrapping
             self.handles.append(p.register_hook(_pre_hook(me, i)))
+            if user_hooks:
+                front = p.register_post_accumulate_grad_hook(_front_hook(me, i))
+                run_post_accumulate_hook_first(p, front)
+                self.handles.append(front)
             self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
         for p in outside:  # params outside the window (float64, frozen): their backwards count
             self.handles.append(p.register_post_accumulate_grad_hook(_outside_hook(me)))
@@ -155,6 +169,19 @@ class Intake:
         if self._active and not self._deferred and self._end_ref() is None:
             self.end_backward()
 
+    def notice_clears(self) -> None:
+        """Apply a clear from outside (``model.zero_grad()``, ``p.grad = None``) made since the
+        last call now, before a call that changes the window (``add_weight``): a weight
+        reported after the clear belongs to the window after it, as natively."""
+        self.settle()
+        if self._active:
+            return  # (inside a backward the views are hidden by the wrapper, not cleared)
+        refs = self._unmoved_grads
+        if refs and any(self.params[i].grad is None for i in refs):
+            self._cleared_unmoved()  # (it forgets the gradients it looks at: only if cleared)
+        if self.guard.shown:
+            self.guard.cleared_outside()
+
     def defer_to(self, node) -> None:
         self._deferred = True
 
@@ -195,10 +222,37 @@ class Intake:
                 self.absorb(p, g)  # assigned from outside (held gradients never sit in .grad)
         p.grad = None
 
+    def front_grad(self, i: int) -> None:
+        """Param i's gradient is in ``.grad`` and the user's post-accumulate-grad hooks
+        (registered before the wrapper's) run next: move it now, alone, and show the running
+        window in ``.grad`` to them, as native ``.grad`` holds the running sum there; what they
+        write in place is what the step uses. (A per-param launch, only for such params; inside
+        ``weight_pass()`` and with ``accumulate_in_backward=False`` they see ``.grad`` as it is.)"""
+        p = self.params[i]
+        if not p.requires_grad or not self.move_in_backward or self.in_weight_pass:
+            return
+        if self._starting():
+            self._begin()
+        g = p.grad
+        if g is None or g.requires_grad:
+            return  # (undefined, or carrying create_graph's graph: after_grad's cases)
+        self._got_grad = True
+        view = self.views[i]
+        if self._check_each_microbatch:  # checked at the end; put back if dropped
+            if i not in self._early_saved:
+                self._early_saved[i] = view.clone() if self.window.holds(p) else None
+            self._early_grads.append(g)
+        self._move([p], [g])
+        p.grad = view
+        self._early.setdefault(i, False)  # (its bucket hears of it after the user's hooks)
+
     def after_grad(self, i: int) -> None:
         p = self.params[i]
         if not p.requires_grad:  # frozen since the forward: autograd stored nothing (native
             return  # .grad stays as it was), so this is no gradient of a micro-batch
+        if i in self._early:  # moved by front_grad; the user's hooks ran on the window
+            self._after_user_hooks(i)
+            return
         if self._starting():
             self._begin()
         self._got_grad = True
@@ -226,6 +280,28 @@ class Intake:
             del self.pending[index]
             self._launch_held(index, pend)
 
+    def _after_user_hooks(self, i: int) -> None:
+        """Param i, moved by front_grad, after the user's hooks wrote its window: now it counts
+        toward its bucket (whose reduction across ranks may start when it is complete)."""
+        p = self.params[i]
+        g = p.grad
+        if g is not None and g is not self.views[i] and not g.requires_grad:
+            self.absorb(p, g)  # a .grad the user's hook assigned: p's gradient now
+        # hidden again in a multi-rank job (DDP must not see the window: module docstring)
+        p.grad = None if self.sync.ddp_possible() else self.views[i]
+        if self._early[i] or self._check_each_microbatch:
+            return  # (counted already; skip_microbatch moves the rest at the end)
+        self._early[i] = True
+        index = self._bucket_index[i]
+        flushed = self._flushed[index] = self._flushed.get(index, 0) + 1
+        pend = self.pending.get(index, {})
+        if len(pend) + flushed == self._bucket_len[index]:
+            self.pending.pop(index, None)
+            if pend:
+                self._launch_held(index, pend)
+            else:
+                self._bucket_moved(self.buffer.buckets[index])
+
     def flush(self, params: list[torch.Tensor]) -> None:
         """Move the pending gradients of ``params`` now, before their bucket is complete
         (DDP's comm hook reduces them in DDP's buckets, which are cut elsewhere)."""
@@ -246,14 +322,18 @@ class Intake:
         self._active, self._deferred, self._end_ref = False, False, None
         pending, self.pending = self.pending, {}
         self._flushed = {}
+        early, self._early_grads, self._early = self._early_grads, [], {}
+        saved, self._early_saved = self._early_saved, {}
         kept = True
-        if pending:
+        if pending or early:
             if self.nonfinite.per_microbatch:
                 kept = self.nonfinite.all_finite(
-                    [g for pend in pending.values() for g in pend.values()])
+                    [g for pend in pending.values() for g in pend.values()] + early)
             if kept:  # (a dropped micro-batch: its held gradients are released with ``pending``)
                 for index, pend in pending.items():
                     self._launch_held(index, pend)
+            else:  # what front_grad moved of it leaves the window
+                self._put_back(saved)
         self.counted = self.counted or self._got_grad
         if self._got_grad and self.move_in_backward:
             self.events.microbatch_ended(kept)
@@ -312,6 +392,24 @@ class Intake:
         """Move ``grads`` of ``params`` (of one bucket) into the window."""
         if not params:
             return
+        self._move(params, grads)
+        self._bucket_moved(bucket)
+
+    def _bucket_moved(self, bucket: Bucket) -> None:
+        n = self.config.accumulation_steps
+        self.sync.bucket_moved(bucket, n is not None and self.window.micro_steps == n - 1)
+
+    def _put_back(self, saved: dict[int, torch.Tensor | None]) -> None:
+        """A dropped micro-batch: the views front_grad wrote hold what they held before it."""
+        held = self.window.held(self.params)
+        for i, old in saved.items():
+            if old is None:
+                held[i] = False  # (its first write of the window: no data of it again)
+            else:
+                self.views[i].copy_(old)
+        self.window.keep_only(self.params, held)
+
+    def _move(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         window = self.window
         fresh = [k for k, p in enumerate(params) if window.first_write(p)]
         again = [k for k, p in enumerate(params) if not window.first_write(p)] \
@@ -323,8 +421,6 @@ class Intake:
                                        found_inf=self.nonfinite.launch_flag(),
                                        backend=self.config.backend)
         window.touch(params)
-        n = self.config.accumulation_steps
-        self.sync.bucket_moved(bucket, n is not None and window.micro_steps == n - 1)
 
     def take_in(self) -> None:
         """Before any decision: close a backward that raised and take in what ``.grad`` holds
@@ -423,6 +519,14 @@ def _outside_hook(intake_ref):
             if intake._starting():
                 intake._begin()
             intake._got_grad = True
+    return hook
+
+
+def _front_hook(intake_ref, i: int):
+    def hook(param):
+        intake = intake_ref()
+        if intake is not None:
+            intake.front_grad(i)
     return hook
 
 

@@ -36,6 +36,7 @@ from itertools import chain
 
 import torch
 
+from accumkernels._torch_private import initial_state_hook
 from accumkernels._util import LOW_PRECISION
 
 OWN_KEY = "accumkernels"
@@ -286,15 +287,18 @@ def _template_keys(parts) -> dict:
 
 @torch.no_grad()
 def template_state(parts, meta: bool = False, only: set[int] | None = None) -> dict:
-    """The state a fresh inner optimizer would be loaded with: an lr=0 step on zero gradients
-    without weight decay (what ``get_state_dict`` does to a fresh native optimizer, less the
-    decay term it leaves in the moments) with each ``step`` set back to 0,
-    so that a native optimizer loading it takes its first step as a fresh one does (AdamW's
-    zero moments at step 0; SGD's zero momentum buffer). Keyed by position over the inner
-    optimizer's groups; ``only``: the ids of the params wanted (default: all). Taken on a copy
-    over copies of the params: the live optimizer, params and masters are untouched. ``meta``:
-    over ``meta`` copies with the plain (single-tensor) implementation, for its keys and shapes
-    only; an optimizer whose step needs values then raises."""
+    """The state a fresh inner optimizer would be loaded with, so that a native optimizer
+    loading it takes its first step as a fresh one does: the keys a zero-gradient step creates
+    (what ``get_state_dict`` makes a fresh native optimizer hold), each valued as that step's
+    ``_init_group`` made it before the update (AdamW's zero moments, Rprop's ``step_size`` = lr,
+    ASGD's ``eta``/``mu``, NAdam's ``mu_product`` = 1); a key the update makes (SGD's momentum
+    buffer) holds that step's value without weight decay (zeros; with ``dampening`` a native SGD
+    then scales its first gradient by 1 - dampening, as after native DCP's own state init). A
+    class without ``_init_group``: an lr=0 step's state, each ``step`` set back to 0. Keyed by
+    position over the inner optimizer's groups; ``only``: the ids of the params wanted (default:
+    all). Taken on a copy over copies of the params: the live optimizer, params and masters are
+    untouched. ``meta``: over ``meta`` copies with the plain (single-tensor) implementation, for
+    its keys and shapes only; an optimizer whose step needs values then raises."""
     inner = parts.optimizer
     step = getattr(type(inner).step, "__wrapped__", type(inner).step)
     want = [only is None or id(p) in only for g in inner.param_groups for p in g["params"]]
@@ -315,14 +319,23 @@ def template_state(parts, meta: bool = False, only: set[int] | None = None) -> d
     for k in protocol_registries:
         copy.__dict__[k] = type(copy.__dict__[k])()
     plain = {k: False for k in ("foreach", "fused", "capturable") if meta and k in inner.defaults}
-    # lr 0 and no weight decay: L2 decay on a zero gradient would put wd * p into SGD's
-    # momentum buffer and Adam's moments, which a fresh optimizer does not have.
-    copy.param_groups = [{**g, **plain, **({"lr": torch.zeros_like(g["lr"])
-                                            if torch.is_tensor(g["lr"]) else 0.0}
-                                           if "lr" in g else {}),
-                          **({"weight_decay": 0.0} if "weight_decay" in g else {})}
-                         for g in groups]
     copy.state = defaultdict(dict)
+    initial: dict[int, dict] = {}  # id(clone) -> its state as _init_group made it
+
+    def seen(group: dict) -> None:
+        for c in group["params"]:
+            entry = copy.state.get(c)
+            if entry and id(c) not in initial:
+                initial[id(c)] = {k: v.clone() if torch.is_tensor(v) else v
+                                  for k, v in entry.items()}
+
+    by_init = initial_state_hook(copy, seen)
+    # lr 0 (unless _init_group reads it: Rprop's step_size, ASGD's eta) and no weight decay (L2
+    # decay on a zero gradient would put wd * p into SGD's momentum buffer and Adam's moments)
+    quiet = {"weight_decay": 0.0} if by_init else {"lr": 0.0, "weight_decay": 0.0}
+    copy.param_groups = [{**g, **plain, **{k: torch.zeros_like(g[k]) if torch.is_tensor(g[k])
+                                           else v for k, v in quiet.items() if k in g}}
+                         for g in groups]
     for c in clones:
         c.grad = torch.zeros_like(c) if c.requires_grad else None
     try:
@@ -331,6 +344,9 @@ def template_state(parts, meta: bool = False, only: set[int] | None = None) -> d
         if meta:
             raise
         return {}
-    return {i: {k: (torch.zeros_like(v) if torch.is_tensor(v) else type(v)(0)) if k == "step"
-                else v for k, v in copy.state[c].items()}
+    # the keys are those after the step (a checkpoint tool's template needs SGD's momentum buffer
+    # too); a key _init_group made holds the value it made
+    return {i: {**{k: (torch.zeros_like(v) if torch.is_tensor(v) else type(v)(0))
+                   if k == "step" else v for k, v in copy.state[c].items()},
+                **initial.get(id(c), {})}
             for i, c in enumerate(positions) if c is not None and copy.state.get(c)}

@@ -242,8 +242,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         only on complete windows: such a caller (Trainer-style) ends a short last window the
         same way. A caller that calls ``step()`` before the window is complete (every
         micro-batch, Accelerate-style) gets no-ops until it is. Step hooks run around real
-        steps only. An inner optimizer that requires a closure (LBFGS) gets it: it evaluates
-        the closure itself, each evaluation filling a fresh window.
+        steps only (not around a window dropped as non-finite: GradScaler skips
+        ``optimizer.step()``). An inner optimizer that requires a closure (LBFGS) gets it: it
+        evaluates the closure itself, each evaluation filling a fresh window.
         """
         args = (self,) if closure is None else (self, closure)
         if closure is not None and self._needs_closure:
@@ -253,14 +254,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._step.end_window(False, self.sync_step,
-                              lambda: protocol.run_step(self, args, {}, self._step.run))
+                              lambda: self._step.run(protocol.StepHooks(self, args, {})))
         return loss
 
     @torch.no_grad()
     def flush(self) -> None:
         """Take the step now, for a short last window (e.g. at the end of an epoch)."""
         self._step.end_window(True, self.sync_step,
-                              lambda: protocol.run_step(self, (self,), {}, self._step.run))
+                              lambda: self._step.run(protocol.StepHooks(self, (self,), {})))
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
@@ -330,6 +331,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         value = parts.sync.take_weight(weight)
         if value is None:  # refused on this rank: every rank raises at the ranks' next agreement
             return
+        self._intake.notice_clears()  # (a clear since the last call ends the window first)
         parts.window.add_weight(value)
         parts.sync.weight_added()  # DDP: a weight after the sync's agreement is agreed at step()
         if parts.window.complete and not parts.sync.active:

@@ -3,7 +3,9 @@
 torch patches ``Optimizer.step`` so that global and per-instance step hooks run around every
 call. The wrapper's ``step()`` is often a no-op (mid-window), so it is not patched: its hooks
 run around each *real* step only, once, with the wrapper as the optimizer (the inner
-optimizer's own patched step is called unwrapped, so global hooks do not run twice).
+optimizer's own patched step is called unwrapped, so global hooks do not run twice). A window
+dropped as non-finite is no step: natively GradScaler does not call ``optimizer.step()`` then,
+so no hook fires (:class:`StepHooks`, run by the step room once it steps).
 
 An LR scheduler also patches ``step`` on the optimizer instance it is built on, to record that
 the optimizer stepped (``_opt_called``; ``_step_count`` in older schedulers) and warn at its
@@ -67,17 +69,38 @@ def inner_step(optimizer: torch.optim.Optimizer, closure=None, run=None):
     return out
 
 
+class StepHooks:
+    """The wrapper's step hooks (global and per instance) around one call of its ``step()``, as
+    torch's patch runs them, but only when that call takes a real step: the step room calls
+    :meth:`pre` once it has decided to step (finite window) and :meth:`post` after it. A window
+    dropped (``skip_step``) or not due fires none, as natively GradScaler skipping
+    ``optimizer.step()`` fires none."""
+
+    def __init__(self, opt, args: tuple, kwargs: dict):
+        self.opt, self.args, self.kwargs = opt, args, kwargs
+
+    def pre(self) -> None:
+        # a scheduler built on the wrapper: a real step counts as a step, whichever way it came
+        # (``flush()`` does not go through the instance's ``step``)
+        record_scheduler_step(self.opt, at_least=True)
+        global_pre, _ = global_step_hooks()
+        for hook in chain(global_pre.values(), self.opt._optimizer_step_pre_hooks.values()):
+            self.args, self.kwargs = _hook_result(hook(self.opt, self.args, self.kwargs),
+                                                  self.args, self.kwargs)
+
+    def post(self) -> None:
+        _, global_post = global_step_hooks()
+        for hook in chain(self.opt._optimizer_step_post_hooks.values(), global_post.values()):
+            hook(self.opt, self.args, self.kwargs)
+
+
 def run_step(opt, args: tuple, kwargs: dict, fn):
-    """Run ``fn()`` (a real step) between the wrapper's step hooks, as torch's patch does."""
-    # a scheduler built on the wrapper: a real step counts as a step, whichever way it came
-    # (``flush()`` does not go through the instance's ``step``)
-    record_scheduler_step(opt, at_least=True)
-    global_pre, global_post = global_step_hooks()
-    for hook in chain(global_pre.values(), opt._optimizer_step_pre_hooks.values()):
-        args, kwargs = _hook_result(hook(opt, args, kwargs), args, kwargs)
+    """Run ``fn()`` (a step the caller takes whatever it finds: a closure step) between the
+    wrapper's step hooks."""
+    hooks = StepHooks(opt, args, kwargs)
+    hooks.pre()
     out = fn()
-    for hook in chain(opt._optimizer_step_post_hooks.values(), global_post.values()):
-        hook(opt, args, kwargs)
+    hooks.post()
     return out
 
 

@@ -151,15 +151,19 @@ class Step:
             self.outside.clear(set_to_none)
 
     # -- the phases ------------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self, hooks=None) -> None:
+        """The real step; ``hooks`` (protocol.StepHooks): the wrapper's step hooks, run around
+        the inner step once the window is found finite (a dropped window fires none)."""
         totals = self.gather()
         kept = totals.kept if totals is not None else self.window.kept
         if kept == 0:  # every micro-batch was dropped (on every rank)
             return self.skip()
         decision = self.decide(totals)
-        if decision is None or not self.apply(decision):
+        if decision is None or not self.apply(decision, hooks):
             return self.nonfinite_window()
         self.finish()
+        if hooks is not None:
+            hooks.post()
 
     def gather(self):
         """Zero stale views, reduce the window across ranks and agree on its bookkeeping."""
@@ -196,9 +200,10 @@ class Step:
             self.last_grad_norm = norm
         return Decision(target, factor, fold, norm, outside)
 
-    def apply(self, d: Decision) -> bool:
-        """Clip and normalise, hand the window over, step the inner optimizer; False if the
-        window overflows the params' dtype (``master_weights=False`` with bf16/fp16 params)."""
+    def apply(self, d: Decision, hooks=None) -> bool:
+        """Clip and normalise, hand the window over, run the step pre-hooks (``hooks``), step
+        the inner optimizer; False if the window overflows the params' dtype
+        (``master_weights=False`` with bf16/fp16 params)."""
         flats = list(self.window.storage.buffers.values())
         scaled = self._scale_grads(flats + d.outside, d.norm, d.factor, d.fold)
         cast = self._hand_grads()
@@ -207,6 +212,8 @@ class Step:
                 p.grad = None
             self.intake.expose()
             return False
+        if hooks is not None:  # (before the masters take in what the hooks write)
+            hooks.pre()
         one_pass = fused_master.applies(self.optimizer, self.masters)
         # the fused master step leaves the window undivided (a write it does not need) unless a
         # torch step over params without masters writes its share back divided

@@ -68,8 +68,8 @@ def params_of(model):
 
 def run_loop(model, opt, data, zero_grad=None, per_microbatch_step=False, in_backward=True):
     """One micro-batch per (x, y): step at the boundary (Trainer-style) or after every micro-batch
-    (Accelerate-style); zero_grad() after every micro-batch if asked, else after every real step
-    (without any clear the next window would add to the last one, as natively)."""
+    (Accelerate-style), zero_grad() after every micro-batch if asked, else after each real step
+    (without any clear the next window adds to the last, as natively)."""
     for x, y in data:
         mse(model, x, y).backward()
         if not in_backward:

@@ -205,3 +205,57 @@ def test_fp16_window_that_overflows_the_param_dtype_is_skipped():
         (model(torch.ones(1, 2, dtype=torch.half)).sum() * 60000).backward()
     with pytest.raises(FloatingPointError):
         opt.step()
+
+
+@pytest.mark.parametrize("accumulation_steps", [None, 3], ids=["N-None", "N-3"])
+def test_a_dropped_window_fires_no_step_hooks(accumulation_steps):
+    """A window dropped as non-finite (``skip_step``) is no step: natively GradScaler does not
+    call ``optimizer.step()``, so neither the optimizer's step hooks nor the global ones fire
+    (here a post-hook that shrinks the params by 1 %, and counting hooks). Native judge: the same
+    loop whose non-finite window is found by hand and not stepped (fp32: bit-identical)."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+    N, windows, bad = 3, 3, (1, 2)  # window 1's micro-batch 2 is NaN
+    data = batches(N * windows, 4)
+
+    def train(wrap: bool):
+        torch.manual_seed(0)
+        model = make_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt = AccumulatingOptimizer(inner, accumulation_steps=accumulation_steps,
+                                    nonfinite="skip_step") if wrap else inner
+        log: list = []
+        shrink = opt.register_step_post_hook(lambda o, a, k: [p.data.mul_(0.99)
+                                                              for p in model.parameters()])
+        handles = [shrink, opt.register_step_pre_hook(lambda o, a, k: log.append("pre")),
+                   opt.register_step_post_hook(lambda o, a, k: log.append("post")),
+                   register_optimizer_step_pre_hook(lambda o, a, k: log.append("global-pre")),
+                   register_optimizer_step_post_hook(lambda o, a, k: log.append("global-post"))]
+        try:
+            for w in range(windows):
+                for m in range(N):
+                    x, y = data[w * N + m]
+                    loss = mse(model, x, y)
+                    if (w, m) == bad:
+                        loss = loss * float("nan")
+                    loss.backward()
+                    if wrap and accumulation_steps is not None:
+                        opt.step()
+                finite = wrap or all(torch.isfinite(p.grad).all() for p in model.parameters())
+                if (wrap and accumulation_steps is None) or (not wrap and finite):
+                    opt.step()  # (natively: GradScaler steps only a finite window)
+                opt.zero_grad()
+        finally:
+            for h in handles:
+                h.remove()
+        return [p.detach().clone() for p in model.parameters()], log, \
+            getattr(opt, "skipped_steps", 1)
+
+    native, native_log, _ = train(False)
+    ours, our_log, skipped = train(True)
+    assert skipped == 1
+    assert our_log == native_log and len(native_log) == 4 * (windows - 1)
+    for a, b in zip(ours, native):
+        assert torch.equal(a, b)

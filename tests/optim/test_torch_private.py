@@ -48,6 +48,36 @@ def test_fused_optimizers_take_grad_scale():
     assert not tp.takes_grad_scale(torch.optim.AdamW([p], foreach=True))
 
 
+@pytest.mark.parametrize("cls", [torch.optim.Rprop, torch.optim.ASGD, torch.optim.NAdam,
+                                 torch.optim.AdamW])
+def test_initial_state_hook_sees_the_state_before_the_update(cls):
+    p = torch.nn.Parameter(torch.randn(4))
+    p.grad = torch.randn(4)
+    opt = cls([p], lr=0.5)
+    seen = []
+    assert tp.initial_state_hook(opt, lambda g: seen.append(
+        {k: v.clone() for k, v in opt.state[p].items()})), "initial_state_hook: _init_group"
+    opt.step()
+    assert len(seen) == 1 and float(seen[0]["step"]) == 0.0, "initial_state_hook: before the update"
+    assert float(opt.state[p]["step"]) == 1.0
+    assert not tp.initial_state_hook(torch.optim.LBFGS([p]), lambda g: None)
+
+
+def test_post_accumulate_hook_runs_first_after_reordering():
+    p = torch.nn.Parameter(torch.randn(3))
+    assert not tp.has_post_accumulate_hooks(p), "has_post_accumulate_hooks: none yet"
+    log = []
+    user = p.register_post_accumulate_grad_hook(lambda t: log.append("user"))
+    assert tp.has_post_accumulate_hooks(p), "has_post_accumulate_hooks: _post_accumulate_grad_hooks"
+    ours = p.register_post_accumulate_grad_hook(lambda t: log.append("ours"))
+    tp.run_post_accumulate_hook_first(p, ours)
+    (p * 2).sum().backward()
+    assert log == ["ours", "user"], "run_post_accumulate_hook_first: the engine's order"
+    user.remove()
+    (p * 2).sum().backward()
+    assert log == ["ours", "user", "ours"], "run_post_accumulate_hook_first: handles still remove"
+
+
 def test_global_step_hooks_are_the_registries_torch_fills():
     pre, post = tp.global_step_hooks()
     handle = register_optimizer_step_pre_hook(lambda *a: None)

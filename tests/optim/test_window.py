@@ -57,6 +57,7 @@ def test_mean_equals_one_large_batch(in_backward):
         opt.step()
         opt.zero_grad()
         assert opt.micro_steps == 0
+        opt.zero_grad()  # (as the native loop clears)
         x = torch.cat([x for x, _ in data])
         y = torch.cat([y for _, y in data])
         ref_opt.zero_grad()

@@ -204,3 +204,83 @@ def test_zero_grad_keeps_params_without_gradient_like_native(make_opt, set_to_no
             moved = any(not torch.equal(p, s) for p, s in zip(native.b.parameters(), start_b))
             assert moved != set_to_none
         start_b = [p.detach().clone() for p in model.b.parameters()]
+
+
+@pytest.mark.parametrize("clear", ["model.zero_grad", "grad=None"])
+@pytest.mark.parametrize("accumulation_steps", [3, None], ids=["N-3", "N-None"])
+@pytest.mark.parametrize("in_backward", [True, False], ids=["hooks", "accumulate"])
+def test_weight_reported_after_an_outside_clear_belongs_to_the_next_window(
+        clear, accumulation_steps, in_backward):
+    """``reduction="weighted"`` with ``add_weight`` before each backward, the loop clearing
+    ``.grad`` from outside after every step() call (the HF Trainer's way): the clear after a
+    real step ends that window, so the next micro-batch's weight, reported before its backward,
+    is the new window's first (the step divides by the weights of its own micro-batches).
+    Native judge: the same loop summing losses over items, ``.grad`` divided by the weights."""
+    N, windows = 3, 3
+    data = [(torch.randn(4, D_IN), torch.randn(4, D_OUT)) for _ in range(N * windows)]
+    weights = [float(k % 3 + 2) for k in range(N * windows)]
+
+    def loss_of(model, x, y):
+        return F.mse_loss(model(x), y, reduction="sum")
+
+    def clear_grads(model):
+        if clear == "model.zero_grad":
+            model.zero_grad()
+        else:
+            for p in model.parameters():
+                p.grad = None
+
+    torch.manual_seed(0)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opt = AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                accumulation_steps=accumulation_steps, reduction="weighted",
+                                accumulate_in_backward=in_backward, bucket_size_mb=SMALL_BUCKET)
+    native = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for w in range(windows):
+        for k in range(w * N, (w + 1) * N):
+            opt.add_weight(weights[k])
+            loss_of(model, *data[k]).backward()
+            if accumulation_steps is not None or k == (w + 1) * N - 1:
+                opt.step()
+                clear_grads(model)
+            loss_of(ref, *data[k]).backward()
+        total = sum(weights[w * N:(w + 1) * N])
+        for p in ref.parameters():
+            p.grad.div_(total)
+        native.step()
+        clear_grads(ref)
+        assert_same_params(ref, model)
+
+
+@pytest.mark.parametrize("in_backward", [True, False], ids=["hooks", "accumulate"])
+def test_weight_reported_after_the_backward_then_cleared_every_microbatch(in_backward):
+    """``add_weight`` after each backward, ``model.zero_grad()`` after every micro-batch with
+    N given (a filling window is kept, as by ``opt.zero_grad()``), ``step()`` at window ends
+    only: the weight report between
+    the backward and the clear leaves the gradients not yet moved
+    (``accumulate_in_backward=False``) to the clear's rule, which keeps them. Native judge: the
+    same loop clearing at window ends."""
+    N, windows = 3, 2
+    data = [(torch.randn(4, D_IN), torch.randn(4, D_OUT)) for _ in range(N * windows)]
+    weights = [float(k % 3 + 2) for k in range(N * windows)]
+    torch.manual_seed(0)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opt = AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                accumulation_steps=N, reduction="weighted",
+                                accumulate_in_backward=in_backward, bucket_size_mb=SMALL_BUCKET)
+    native = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for w in range(windows):
+        for k in range(w * N, (w + 1) * N):
+            F.mse_loss(model(data[k][0]), data[k][1], reduction="sum").backward()
+            opt.add_weight(weights[k])
+            if k == (w + 1) * N - 1:  # (Trainer-style: step() at the window's end only)
+                opt.step()
+            model.zero_grad()
+            F.mse_loss(ref(data[k][0]), data[k][1], reduction="sum").backward()
+        for p in ref.parameters():
+            p.grad.div_(sum(weights[w * N:(w + 1) * N]))
+        native.step()
+        ref.zero_grad()
+        assert_same_params(ref, model)
