@@ -55,7 +55,6 @@ def test_mean_equals_one_large_batch(in_backward):
                 opt.accumulate()
         assert opt.sync_step and opt.micro_steps == N
         opt.step()
-        opt.zero_grad()
         assert opt.micro_steps == 0
         opt.zero_grad()  # (as the native loop clears)
         x = torch.cat([x for x, _ in data])
