@@ -22,7 +22,7 @@ the gradients it produced ("fully in", as native PyTorch keeps them in ``.grad``
 
 With ``accumulate_in_backward=False`` the views are hidden the same way, but the new gradients
 stay in ``.grad`` (in the param dtype, summed by autograd over backwards) until
-``accumulate()`` or ``step()`` moves them (:meth:`Intake.move_unmoved`) and shows the window.
+``accumulate()`` or ``step()`` moves them (accumkernels.optim.unmoved) and shows the window.
 Hooks hold the intake weakly; the wrapper removes them when it is collected.
 
 Why a gradient waiting for its bucket is held here and not left in ``.grad``: DDP's hook on a
@@ -42,18 +42,15 @@ import weakref
 
 import torch
 
-from accumkernels._torch_private import (
-    has_post_accumulate_hooks,
-    queue_callback,
-    run_post_accumulate_hook_first,
-)
+from accumkernels._torch_private import queue_callback
 from accumkernels._util import LOW_PRECISION
 from accumkernels.buffer import Bucket, MasterGradBuffer
 from accumkernels.optim.backward import EndOfBackward, remove_handles
 from accumkernels.optim.guard import FORGOTTEN_LINE, Guard, pipeline_weight_pass
+from accumkernels.optim.intake_hooks import HAS_GRAD_DTYPE, install_hooks
+from accumkernels.optim.unmoved import Unmoved
+from accumkernels.optim.user_hooks import FrontMoves
 from accumkernels.slot import SlotWrite
-
-_HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
 
 
 class Intake:
@@ -84,38 +81,28 @@ class Intake:
         self._deferred = False  # ... waiting for the outer backward to end
         self._got_grad = False  # an AccumulateGrad (or fused write) ran in it
         self._end_ref = None  # weakref to the active backward's final callback
-        self.unmoved = 0  # backwards whose gradients still sit in .grad (not moved in backward)
-        # param index -> its unmoved .grad after the last backward: a clear from outside
-        # (model.zero_grad()) then means what opt.zero_grad() means (_cleared_unmoved)
-        self._unmoved_grads: dict[int, torch.Tensor] = {}
+        self.left = Unmoved(self)  # accumulate_in_backward=False: gradients left in .grad
         self.in_weight_pass = False  # inside weight_pass(): the window stays hidden
         self.counted = False  # a backward counted itself (since the weight pass began)
         self.forgotten_line = False  # a pipeline weight pass ran outside weight_pass()
-        # params with hooks of the user's before the wrapper's (_front_hook): moved alone,
-        # in this backward; with skip_microbatch their views before it and their gradients
-        self._early: dict[int, bool] = {}  # param index -> counted toward its bucket
-        self._early_saved: dict[int, torch.Tensor | None] = {}
-        self._early_grads: list[torch.Tensor] = []
-        self.handles: list = []
+        self.front = FrontMoves(self)  # params with post-accumulate hooks of the user's
         self.guard = Guard(self)
-        me = weakref.ref(self)
-        for i, p in enumerate(params):
-            if _HAS_GRAD_DTYPE and p.dtype in LOW_PRECISION:
-                p.grad = None
-                p.grad_dtype = None  # any dtype may sit in .grad: the fp32 view, or bf16 grads
-            user_hooks = has_post_accumulate_hooks(p)  # registered before wrapping
-            self.handles.append(p.register_hook(_pre_hook(me, i)))
-            if user_hooks:
-                front = p.register_post_accumulate_grad_hook(_front_hook(me, i))
-                run_post_accumulate_hook_first(p, front)
-                self.handles.append(front)
-            self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
-        for p in outside:  # params outside the window (float64, frozen): their backwards count
-            self.handles.append(p.register_post_accumulate_grad_hook(_outside_hook(me)))
+        self.handles: list = install_hooks(self, params, outside)
 
     def remove(self) -> None:
         """Detach from the params (idempotent)."""
         remove_handles(self.handles)
+
+    @property
+    def unmoved(self) -> int:
+        """Backwards whose gradients still sit in ``.grad`` (not moved in backward)."""
+        return self.left.count
+
+    def move_unmoved(self, count_new: bool = True) -> None:
+        self.left.move(count_new)
+
+    def unmoved_backward(self) -> None:
+        self.left.backward_ended()
 
     @property
     def sync(self):
@@ -137,8 +124,7 @@ class Intake:
         """``reset_window()``: held gradients and the backwards not yet moved go with it."""
         self.settle()
         self.pending = {}
-        self.unmoved = 0
-        self._unmoved_grads = {}
+        self.left.forget()
 
     # -- backward tracking ---------------------------------------------------------------------
     def _begin(self) -> None:
@@ -147,8 +133,8 @@ class Intake:
             if not self.in_weight_pass and pipeline_weight_pass():
                 self.forgotten_line = True  # raised at step() (every rank gets there)
             self.outside_room.check_unfrozen(self.config.nonfinite, self.names)
-            if self._unmoved_grads:
-                self._cleared_unmoved()
+            if self.left.grads:
+                self.left.cleared()
             self._active, self._got_grad, self._deferred = True, False, False
             if self.guard.shown:  # .grad cleared from outside since the views were shown
                 self.guard.cleared_outside()
@@ -176,9 +162,8 @@ class Intake:
         self.settle()
         if self._active:
             return  # (inside a backward the views are hidden by the wrapper, not cleared)
-        refs = self._unmoved_grads
-        if refs and any(self.params[i].grad is None for i in refs):
-            self._cleared_unmoved()  # (it forgets the gradients it looks at: only if cleared)
+        if self.left.any_cleared():
+            self.left.cleared()  # (it forgets the gradients it looks at: only if cleared)
         if self.guard.shown:
             self.guard.cleared_outside()
 
@@ -222,36 +207,12 @@ class Intake:
                 self.absorb(p, g)  # assigned from outside (held gradients never sit in .grad)
         p.grad = None
 
-    def front_grad(self, i: int) -> None:
-        """Param i's gradient is in ``.grad`` and the user's post-accumulate-grad hooks
-        (registered before the wrapper's) run next: move it now, alone, and show the running
-        window in ``.grad`` to them, as native ``.grad`` holds the running sum there; what they
-        write in place is what the step uses. (A per-param launch, only for such params; inside
-        ``weight_pass()`` and with ``accumulate_in_backward=False`` they see ``.grad`` as it is.)"""
-        p = self.params[i]
-        if not p.requires_grad or not self.move_in_backward or self.in_weight_pass:
-            return
-        if self._starting():
-            self._begin()
-        g = p.grad
-        if g is None or g.requires_grad:
-            return  # (undefined, or carrying create_graph's graph: after_grad's cases)
-        self._got_grad = True
-        view = self.views[i]
-        if self._check_each_microbatch:  # checked at the end; put back if dropped
-            if i not in self._early_saved:
-                self._early_saved[i] = view.clone() if self.window.holds(p) else None
-            self._early_grads.append(g)
-        self._move([p], [g])
-        p.grad = view
-        self._early.setdefault(i, False)  # (its bucket hears of it after the user's hooks)
-
     def after_grad(self, i: int) -> None:
         p = self.params[i]
         if not p.requires_grad:  # frozen since the forward: autograd stored nothing (native
             return  # .grad stays as it was), so this is no gradient of a micro-batch
-        if i in self._early:  # moved by front_grad; the user's hooks ran on the window
-            self._after_user_hooks(i)
+        if i in self.front.early:  # moved by front_grad; the user's hooks ran on the window
+            self.front.after_user_hooks(i)
             return
         if self._starting():
             self._begin()
@@ -280,28 +241,6 @@ class Intake:
             del self.pending[index]
             self._launch_held(index, pend)
 
-    def _after_user_hooks(self, i: int) -> None:
-        """Param i, moved by front_grad, after the user's hooks wrote its window: now it counts
-        toward its bucket (whose reduction across ranks may start when it is complete)."""
-        p = self.params[i]
-        g = p.grad
-        if g is not None and g is not self.views[i] and not g.requires_grad:
-            self.absorb(p, g)  # a .grad the user's hook assigned: p's gradient now
-        # hidden again in a multi-rank job (DDP must not see the window: module docstring)
-        p.grad = None if self.sync.ddp_possible() else self.views[i]
-        if self._early[i] or self._check_each_microbatch:
-            return  # (counted already; skip_microbatch moves the rest at the end)
-        self._early[i] = True
-        index = self._bucket_index[i]
-        flushed = self._flushed[index] = self._flushed.get(index, 0) + 1
-        pend = self.pending.get(index, {})
-        if len(pend) + flushed == self._bucket_len[index]:
-            self.pending.pop(index, None)
-            if pend:
-                self._launch_held(index, pend)
-            else:
-                self._bucket_moved(self.buffer.buckets[index])
-
     def flush(self, params: list[torch.Tensor]) -> None:
         """Move the pending gradients of ``params`` now, before their bucket is complete
         (DDP's comm hook reduces them in DDP's buckets, which are cut elsewhere)."""
@@ -322,8 +261,7 @@ class Intake:
         self._active, self._deferred, self._end_ref = False, False, None
         pending, self.pending = self.pending, {}
         self._flushed = {}
-        early, self._early_grads, self._early = self._early_grads, [], {}
-        saved, self._early_saved = self._early_saved, {}
+        early, saved = self.front.end()
         kept = True
         if pending or early:
             if self.nonfinite.per_microbatch:
@@ -333,45 +271,14 @@ class Intake:
                 for index, pend in pending.items():
                     self._launch_held(index, pend)
             else:  # what front_grad moved of it leaves the window
-                self._put_back(saved)
+                self.front.put_back(saved)
         self.counted = self.counted or self._got_grad
         if self._got_grad and self.move_in_backward:
             self.events.microbatch_ended(kept)
         elif self._got_grad:
-            self.unmoved_backward()
+            self.left.backward_ended()
         if self.move_in_backward and not self.in_weight_pass:
             self.expose()
-
-    def unmoved_backward(self) -> None:
-        """A backward whose gradients stay in ``.grad`` (``accumulate_in_backward=False``)."""
-        self.unmoved += 1  # counted when moved: the non-finite check sees its gradients
-        n = self.config.accumulation_steps
-        if n is not None and self.window.micro_steps + self.unmoved >= n:
-            self.move_unmoved()  # the N-th backward: .grad shows the complete window
-        else:
-            self._unmoved_grads = {i: p.grad for i, (p, view) in enumerate(
-                zip(self.params, self.views)) if p.grad is not None and p.grad is not view}
-
-    def _cleared_unmoved(self) -> None:
-        """Unmoved gradients whose ``.grad`` was cleared from outside (``model.zero_grad()``,
-        ``p.grad = None``) since the last backward: with N given the window is still filling
-        (the N-th backward moves them), and the clear keeps them, as ``opt.zero_grad()`` does:
-        moved into the window, ``.grad`` None. With N None they are gone, as natively."""
-        refs, self._unmoved_grads = self._unmoved_grads, {}
-        cleared = [i for i, g in refs.items() if self.params[i].grad is None]
-        if not cleared:
-            return
-        if self.config.accumulation_steps is None:
-            if len(cleared) == len(refs) and not any(
-                    p.grad is not None and p.grad is not v for p, v in zip(self.params,
-                                                                             self.views)):
-                self.unmoved = 0  # every unmoved gradient is gone: no backward left to count
-            return
-        for i in cleared:
-            self.params[i].grad = refs[i]
-        self.move_unmoved()
-        for i in cleared:
-            self.params[i].grad = None
 
     def claim(self, p: torch.Tensor) -> SlotWrite:
         """A fused kernel writes p's gradient of this backward straight into the window."""
@@ -399,16 +306,6 @@ class Intake:
         n = self.config.accumulation_steps
         self.sync.bucket_moved(bucket, n is not None and self.window.micro_steps == n - 1)
 
-    def _put_back(self, saved: dict[int, torch.Tensor | None]) -> None:
-        """A dropped micro-batch: the views front_grad wrote hold what they held before it."""
-        held = self.window.held(self.params)
-        for i, old in saved.items():
-            if old is None:
-                held[i] = False  # (its first write of the window: no data of it again)
-            else:
-                self.views[i].copy_(old)
-        self.window.keep_only(self.params, held)
-
     def _move(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         window = self.window
         fresh = [k for k, p in enumerate(params) if window.first_write(p)]
@@ -431,35 +328,7 @@ class Intake:
         if self.move_in_backward:
             self.absorb_assigned()
         else:
-            self.move_unmoved()
-
-    def move_unmoved(self, count_new: bool = True) -> None:
-        """Move every ``.grad`` that is not the param's view (accumulate_in_backward=False);
-        ``count_new``: gradients without a counted backward are one micro-batch."""
-        self.settle()
-        self.guard.check_all()
-        if self._unmoved_grads:
-            self._cleared_unmoved()
-        by_bucket: dict[int, list[torch.Tensor]] = {}
-        for p, view in zip(self.params, self.views):
-            g = p.grad
-            if g is not None and g is not view:
-                by_bucket.setdefault(self.buffer.bucket_of(p).index, []).append(p)
-        kept = True
-        if self.nonfinite.per_microbatch:
-            kept = self.nonfinite.all_finite(
-                [p.grad for params in by_bucket.values() for p in params])
-        for index, params in by_bucket.items():
-            if kept:
-                self.launch(self.buffer.buckets[index], params, [p.grad for p in params])
-            for p in params:
-                p.grad = None
-        count, self.unmoved = self.unmoved, 0
-        if by_bucket and not count and count_new:
-            count = 1  # gradients set without a backward this wrapper saw: one micro-batch
-        for _ in range(count):
-            self.events.microbatch_ended(kept)
-        self.expose()
+            self.left.move()
 
     def absorb_assigned(self) -> None:
         """A ``.grad`` the user assigned (not the view) is what p's gradient means now."""
@@ -480,7 +349,7 @@ class Intake:
     # -- what p.grad shows ---------------------------------------------------------------------
     def expose(self) -> None:
         """Show the window: ``p.grad`` (and its master's) is p's fp32 view; None if untouched."""
-        show_lowp = _HAS_GRAD_DTYPE
+        show_lowp = HAS_GRAD_DTYPE
         held, masters = self.window.held(self.params), self.masters.masters  # (id(p) -> master)
         for p, view, holds in zip(self.params, self.views, held):
             if not holds:
@@ -502,37 +371,3 @@ class Intake:
             master = self.masters.get(p)
             if master is not None:
                 master.grad = None
-
-
-def _pre_hook(intake_ref, i: int):
-    def hook(grad):
-        intake = intake_ref()
-        if intake is not None:
-            intake.before_grad(i, grad)
-    return hook
-
-
-def _outside_hook(intake_ref):
-    def hook(param):
-        intake = intake_ref()
-        if intake is not None and param.requires_grad:  # (frozen since the forward: nothing)
-            if intake._starting():
-                intake._begin()
-            intake._got_grad = True
-    return hook
-
-
-def _front_hook(intake_ref, i: int):
-    def hook(param):
-        intake = intake_ref()
-        if intake is not None:
-            intake.front_grad(i)
-    return hook
-
-
-def _post_hook(intake_ref, i: int):
-    def hook(param):
-        intake = intake_ref()
-        if intake is not None:
-            intake.after_grad(i)
-    return hook

@@ -18,33 +18,10 @@ import torch
 from accumkernels._torch_private import takes_grad_scale
 from accumkernels._util import LOW_PRECISION
 from accumkernels.optim import fused_master, protocol
+from accumkernels.optim.closure import closure_step
 from accumkernels.optim.nonfinite import grad_norm
 
 NO_WEIGHTS = "reduction='weighted' needs add_weight() for the window's micro-batches"
-
-
-class _NonFinite(Exception):
-    """A closure evaluation's window is not finite: the closure step is abandoned."""
-
-
-def _snapshot(optimizer: torch.optim.Optimizer) -> tuple:
-    """What a closure step may change: the params the inner optimizer holds now (the masters,
-    inside ``swapped``) and its state, one level deep (LBFGS keeps lists it appends to and
-    tensors it writes in place, such as ``prev_flat_grad``)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    values = [p.detach().clone() for p in params]
-    state = {k: {n: v.clone() if torch.is_tensor(v) else list(v) if isinstance(v, list) else v
-                 for n, v in entry.items()} for k, entry in optimizer.state.items()}
-    return params, values, state
-
-
-@torch.no_grad()
-def _restore(optimizer: torch.optim.Optimizer, saved: tuple) -> None:
-    params, values, state = saved
-    for p, v in zip(params, values):
-        p.copy_(v)
-    optimizer.state.clear()
-    optimizer.state.update(state)
 
 
 @dataclass
@@ -205,8 +182,8 @@ class Step:
         the inner optimizer; False if the window overflows the params' dtype
         (``master_weights=False`` with bf16/fp16 params)."""
         flats = list(self.window.storage.buffers.values())
-        scaled = self._scale_grads(flats + d.outside, d.norm, d.factor, d.fold)
-        cast = self._hand_grads()
+        scaled = self.scale_grads(flats + d.outside, d.norm, d.factor, d.fold)
+        cast = self.hand_grads()
         if cast and not self.nonfinite.all_finite([p.grad for p in cast]):
             for p in cast:
                 p.grad = None
@@ -234,7 +211,7 @@ class Step:
                 if not write_grad:  # the window still holds the gradients times grad_scale
                     self._carry_scale = torch.reciprocal(self.optimizer.grad_scale)
                 del self.optimizer.grad_scale, self.optimizer.found_inf
-        self._after_inner_step(cast, copied=one_pass)
+        self.after_inner_step(cast, copied=one_pass)
         return True
 
     def finish(self) -> None:
@@ -292,62 +269,8 @@ class Step:
         self.skip()
 
     def closure_step(self, closure):
-        """An inner optimizer that requires a closure (LBFGS) evaluates it itself, maybe
-        several times: each evaluation runs at the inner optimizer's current point (masters
-        copied into the model), fills a fresh window (``take_in()`` takes in and counts what the
-        closure's backward left) that is normalised, checked and clipped as a window at
-        ``step()`` is (``decide``), and hands it over as ``.grad`` (to the masters, which the
-        inner optimizer steps). An evaluation whose gradient is not finite (or that
-        ``skip_microbatch`` dropped) ends the step: the params, masters and the inner
-        optimizer's state are put back as they were before it, and the non-finite policy
-        applies (``skipped_steps``, or ``FloatingPointError`` naming the param)."""
-        cast: list[torch.Tensor] = []
-        last: list = [None]
-
-        def evaluate():
-            self.masters.copy_back()
-            self.reset_window()
-            with torch.enable_grad():
-                last[0] = loss = closure()
-            with torch.no_grad():
-                self.take_in()
-                window = self.window
-                if window.micro_steps and not window.kept:  # skip_microbatch dropped it
-                    raise _NonFinite
-                window.zero_untouched(self.params, self.intake.views)
-                d = self.decide(None)  # (a closure optimizer is never fused: no fold)
-                if d is None:
-                    raise _NonFinite
-                flats = list(window.storage.buffers.values())
-                self._scale_grads(flats + d.outside, d.norm, d.factor, False)
-                cast[:] = self._hand_grads()
-                if cast and not self.nonfinite.all_finite([p.grad for p in cast]):
-                    raise _NonFinite  # the window overflows the params' dtype
-            return loss
-
-        if self.masters.model_params:
-            self.masters.resync_changed()  # weights the user wrote since the last step
-        bad = False
-        with self.masters.swapped():
-            saved = _snapshot(self.optimizer)
-            try:
-                loss = protocol.inner_step(self.optimizer, evaluate)
-            except _NonFinite:
-                _restore(self.optimizer, saved)
-                bad, loss = True, last[0]
-        if bad:
-            for p in cast:
-                p.grad = None
-            self.masters.copy_back()
-            self.intake.expose()
-            if self.window.kept:
-                self.nonfinite_window()
-            else:
-                self.skip()
-            return loss
-        self._after_inner_step(cast)
-        self.reset_window()
-        return loss
+        """A closure optimizer's step (LBFGS): accumkernels.optim.closure."""
+        return closure_step(self, closure)
 
     # -- pieces ------------------------------------------------------------------------------------
     def _foldable(self) -> bool:
@@ -357,7 +280,7 @@ class Step:
         return takes_grad_scale(inner) and getattr(inner, "grad_scale", None) is None \
             and getattr(inner, "found_inf", None) is None
 
-    def _scale_grads(self, grads: list[torch.Tensor], norm: torch.Tensor | None, factor: float,
+    def scale_grads(self, grads: list[torch.Tensor], norm: torch.Tensor | None, factor: float,
                      fold: bool) -> bool:
         """Multiply the gradients by ``factor`` and the clip coefficient
         ``min(1, max_grad_norm / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``).
@@ -384,7 +307,7 @@ class Step:
                 return self.names.get(id(p), f"parameter {i} (shape {tuple(p.shape)})")
         return "the window (non-finite on another rank, or outside the window)"
 
-    def _hand_grads(self) -> list[torch.Tensor]:
+    def hand_grads(self) -> list[torch.Tensor]:
         """Give the window to the inner optimizer as ``.grad``; returns the params that got an
         own copy in their dtype (``master_weights=False`` with bf16/fp16 params)."""
         cast = []
@@ -402,7 +325,7 @@ class Step:
                 target.grad = view
         return cast
 
-    def _after_inner_step(self, cast: list[torch.Tensor], copied: bool = False) -> None:
+    def after_inner_step(self, cast: list[torch.Tensor], copied: bool = False) -> None:
         if not copied:  # (the fused master step wrote the weights itself)
             self.masters.copy_back()
         for p in cast:

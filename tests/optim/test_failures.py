@@ -270,7 +270,7 @@ FAILING_CALLS = {
     "step-weighted-no-weights-steps-None": _no_weights("step", steps=None),
     "flush-weighted-no-weights": _no_weights("flush", steps=3),
     "add_weight-negative": _bad_weight(-1.0, (ValueError,)),
-    "add_weight-zero": _bad_weight(0.0, (ValueError,)),
+    "add_weight-negative-tensor": _bad_weight(lambda: torch.tensor(-0.5), (ValueError,)),
     "add_weight-nan": _bad_weight(math.nan, (ValueError,)),
     "add_weight-inf": _bad_weight(math.inf, (ValueError,)),
     "add_weight-str": _bad_weight("4", (TypeError,)),
