@@ -37,7 +37,7 @@ from accumkernels.optim.backward import remove_handles, weight_pass
 from accumkernels.optim.masters import MasterWeights
 from accumkernels.optim.outside import OutsideParams
 from accumkernels.optim.parts import (FlatLayout, Parts, attach_slots, build_rooms, layout_for,
-                                      managed, resolve_backends)
+                                      managed, resolve_backends, window_across_rebuild)
 from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
 from accumkernels.optim.scaling import LossScaler
 from accumkernels.optim.sync_ddp import ddp_sync_for
@@ -214,23 +214,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)  # (torch's checks: a refusal changes nothing)
         new = [p for p in self.optimizer.param_groups[-1]["params"] if p.requires_grad]
         intake.take_in()  # assigned (or unmoved) gradients join the window first
-        window = parts.window
-        shown = {id(p) for p, v in zip(intake.params, intake.views) if p.grad is v}
-        held = {id(p): v.clone() for p, v in zip(intake.params, intake.views) if window.holds(p)}
-        own = {id(p): p.grad for p in new if p.grad is not None}  # natively summed in .grad
+        restore = window_across_rebuild(intake, parts.window, new)
         self._build(parts.params + new)
-        intake = self._intake
-        with torch.no_grad():
-            for p, view in zip(intake.params, intake.views):
-                if id(p) in held:
-                    view.copy_(held[id(p)])
-                    if id(p) in shown:
-                        p.grad = view
-        intake.guard.shown = bool(shown)
-        for p, view in zip(intake.params, intake.views):
-            if id(p) in own:  # (the gradient of the micro-batches already counted)
-                intake.absorb(p, own[id(p)])
-                p.grad = view
+        restore(self._intake)
 
     # -- the step -----------------------------------------------------------------------------
     @torch.no_grad()

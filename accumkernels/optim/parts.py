@@ -153,3 +153,27 @@ def attach_slots(owner, intake: Intake, params: list[torch.Tensor], per_microbat
     slot = Slot(owner, intake, per_microbatch)
     for p in params:
         setattr(p, SLOT_ATTR, slot)
+
+
+def window_across_rebuild(intake, window, new: list[torch.Tensor]):
+    """``add_param_group`` rebuilds the rooms for the params added: what the window holds and
+    ``.grad`` shows now, and a function that puts it into the rebuilt intake (the added params'
+    own ``.grad``, natively summed there, joins as their gradient of the micro-batches counted)."""
+    shown = {id(p) for p, v in zip(intake.params, intake.views) if p.grad is v}
+    held = {id(p): v.clone() for p, v in zip(intake.params, intake.views) if window.holds(p)}
+    own = {id(p): p.grad for p in new if p.grad is not None}
+
+    def restore(rebuilt) -> None:
+        with torch.no_grad():
+            for p, view in zip(rebuilt.params, rebuilt.views):
+                if id(p) in held:
+                    view.copy_(held[id(p)])
+                    if id(p) in shown:
+                        p.grad = view
+        rebuilt.guard.shown = bool(shown)
+        for p, view in zip(rebuilt.params, rebuilt.views):
+            if id(p) in own:
+                rebuilt.absorb(p, own[id(p)])
+                p.grad = view
+
+    return restore
