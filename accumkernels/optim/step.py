@@ -222,7 +222,7 @@ class Step:
         self.nonfinite.reset()
         self.sync.reset()
 
-    # -- measured ahead of the step (pipeline stages clip by one norm: stage_norm.StageNorm) -----------
+    # -- measured ahead of the step (pipeline stages clip by one norm: stage_norm.StageNorm) ---
     def due(self) -> bool:
         """Whether the next ``step()`` ends this window (a real step that takes part in a norm
         round)."""

@@ -119,7 +119,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # forward of window 1's micro-batch 2; add_param_group-boundary / -mid: the last layer frozen
 # and left out of the optimizer at construction, unfrozen and added with add_param_group at the
 # boundary after window 0 / after window 1's micro-batch 0 backward (before accumulate() moves
-# it: accumulate_in_backward=False keeps it in .grad); freeze-between / freeze-before: the first layer's params
+# it: accumulate_in_backward=False keeps it in .grad); freeze-between / freeze-before: the first
+# layer's params
 # requires_grad_(False) between the forward and the backward / before the forward of every
 # odd micro-batch of windows 1 and 2, restored after its backward (GAN code).
 LOOPS = ("opt-zero_grad", "model-zero_grad", "grad-none", "model-zero_grad-every",

@@ -15,7 +15,8 @@ from _matrix_declared_ranks import ENGINE, RANKS
 from _matrix_surface import Axis, Excluded, surface
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLES = {"package": PACKAGE, "member": MEMBERS, "option": OPTIONS, "optimizer": OPTIMIZERS, "hook": HOOKS,
+TABLES = {"package": PACKAGE, "member": MEMBERS, "option": OPTIONS, "optimizer": OPTIMIZERS,
+          "hook": HOOKS,
           "model": MODEL, "engine": ENGINE, "ranks": RANKS}
 # our own surface: a declared item that the code no longer has is stale (torch's surface varies
 # with the installed release: an item of another release may stay declared)
