@@ -214,6 +214,14 @@ class ShardedIntake:
         if self.window.cleared(cleared):
             self.events.window_dropped()
 
+    def notice_clears(self) -> None:
+        """A clear from outside since the window was shown applies now, before a call that
+        changes the window (``add_weight``): a weight reported after the clear belongs to the
+        window after it, as natively (the flat intake's rule)."""
+        self.settle()
+        if not self._active:  # (inside a backward the wrapper hides nothing here: no views)
+            self.cleared_outside()
+
     def absorb_assigned(self) -> None:
         """A ``.grad`` the user assigned (not the window) is what p's gradient means now;
         one cleared from outside is dropped on the wrapper's ``zero_grad()`` rule."""
