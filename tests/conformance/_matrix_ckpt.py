@@ -32,7 +32,10 @@ def _same_state(saved: dict, again: dict, where: str) -> None:
         for name, v in entry.items():
             if torch.is_tensor(v) and v.numel() and name != "step":
                 w = other.get(name)
-                if w is None or not torch.equal(v.float().nan_to_num(), w.float().nan_to_num()):
+                # (torch's load casts floating state but 'step' to the param's dtype: ASGD's
+                # eta, NAdam's mu_product on a bf16 param without masters, natively too)
+                if w is None or not torch.equal(v.to(w.dtype).float().nan_to_num(),
+                                                w.float().nan_to_num()):
                     raise Departure(f"{where}: state[{k}][{name!r}] differs from what was "
                                     "loaded")
 
