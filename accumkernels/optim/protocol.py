@@ -47,13 +47,25 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return param is not None and param.default is inspect.Parameter.empty
 
 
+def _unpatched(step):
+    """The class's step under torch's hook patch (``Optimizer._patch_step_function`` marks its
+    wrapper ``hooked``), every layer of it: a class patched twice (its step replaced by a wrapper
+    of the patched one that torch then patched again) must not run the global hooks once more.
+    None where torch did not patch it."""
+    if not getattr(step, "hooked", False):
+        return None
+    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    return step
+
+
 def inner_step(optimizer: torch.optim.Optimizer, closure=None, run=None):
     """Step the inner optimizer without running the global step hooks a second time.
 
     Its own per-instance hooks still run (they were registered on it, not on the wrapper).
     ``run()``: what takes the place of its step between them (the fused master step).
     """
-    step = getattr(type(optimizer).step, "__wrapped__", None)
+    step = _unpatched(type(optimizer).step)
     if run is not None:
         step = lambda *args, **kwargs: run()  # noqa: E731
     elif step is None:  # a step torch did not patch: no hooks of its own
