@@ -424,3 +424,22 @@ def test_params_without_requires_grad_but_with_grad_are_stepped(config: Config) 
         assert_same(extra[1], extra[0], f"step {i}: the requires_grad=False tensor")
         assert_same_params(n_model, model, f"step {i}: ")
     assert not torch.equal(extra[1], start), "not stepped"
+
+
+def test_step_hooks_fire_once_when_the_patched_step_was_wrapped_again(monkeypatch) -> None:
+    """A class whose patched step another wrapper took over with ``functools.wraps`` (what
+    ``torch._dynamo``'s disable does once a test has compiled something): the inner
+    optimizer's step still runs the global hooks once, not twice (seen in the full suite's
+    order for LBFGS)."""
+    import functools
+
+    cfg = next(c for c in DEFAULTS if c.info.optim_cls is torch.optim.LBFGS)
+    torch.optim.LBFGS([torch.nn.Parameter(torch.randn(2))])  # torch patches LBFGS.step now
+    patched = torch.optim.LBFGS.step
+
+    @functools.wraps(patched)
+    def again(*args, **kwargs):
+        return patched(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.LBFGS, "step", again)
+    test_step_hooks_fire_once_per_step_in_native_order(cfg)
