@@ -12,7 +12,6 @@ KNOWN_BUGS: dict[str, tuple[str, ...]] = {
     # documents: without N the last backward is unknown, p.grad shows this rank's window until
     # step()) is no longer generated since the loop/hooks/engine/ranks axes reshaped the array
     # (only layout x reduction x clip is covered 3-way); its witness m005 (N given) passes.
-    # Two defects the extended axes found, failing at f98d356 already (_matrix_labels.BUGS):
-    "s044": ("new-3",),
+    # A defect the extended axes found, failing at f98d356 already (_matrix_labels.BUGS):
     "s110": ("new-2",),
 }

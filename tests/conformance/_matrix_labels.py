@@ -51,13 +51,10 @@ BUGS["new-1"] = ("process_group: a user's clip_grad_norm_ before step() sees the
 
 
 # found by the extended matrix (issue 49's axes), failing at f98d356 as on main; filed in the
-# session's closing note, causes not yet found
+# session's closing note, cause not yet found
 BUGS["new-2"] = ("bf16 with masters x reduction='mean' x N given (step() every micro-batch): "
                  "a master off by ~1e-3 relative after the first AdamW (foreach) or Rprop step, "
                  "for some seeds (s110); sum, weighted, N=None and fp32 agree")
-BUGS["new-3"] = ("model.zero_grad() after every micro-batch x accumulate_in_backward=False x "
-                 "gradients assigned in weight_pass(): the clip norm off (0.35 relative in fp32, "
-                 "s044); opt.zero_grad() or accumulate_in_backward=True agree")
 
 
 def labels_multi(case: dict) -> list[str]:

@@ -171,8 +171,9 @@ def reference_micro(ctx: Ctx, ref: Reference, w, i, x, y, weight) -> None:
     if frozen is not None:
         frozen.__exit__()
     ref.add(grads, weight if ctx.reduction.name == "weighted" else None)
-    if not ctx.in_backward and (i == 0 or i + 1 == ctx.accum.n or ctx.accum.step_every_micro):
-        ref.flush()  # (a step() mid-window moves them too)
+    if not ctx.in_backward and (i == 0 or i + 1 == ctx.accum.n or ctx.accum.step_every_micro
+                                or ctx.loop == "model-zero_grad-every"):
+        ref.flush()  # (a step() mid-window moves them too; so does a clear with N given)
 
 
 def reference_finish(ctx: Ctx, ref: Reference, last: bool):
