@@ -174,3 +174,15 @@ def _rebuild_as(cls: type, rebuild, args: tuple) -> AccumulatingOptimizer:
     opt = rebuild(*args)
     opt.__class__ = cls  # the by-name class adds no state of its own
     return opt
+
+
+def cached_class(namespace: dict, module: str, source, name: str, candidates=None):
+    """The by-name class of ``source.<candidate>``, the first of ``candidates`` (default:
+    ``name``) that is an optimizer class, made once and kept in ``namespace`` (a lazily filled
+    module's globals: torchao's, schedulefree's); None when there is none."""
+    for candidate in candidates or (name,):
+        cls = getattr(source, candidate, None)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            made = namespace[name] = accumulating(cls, name=name, module=module)
+            return made
+    return None

@@ -7,19 +7,16 @@ imported when a name is first looked up (tests/integrations/test_low_bit_optimiz
 
 from __future__ import annotations
 
-from accumkernels.optimizers.factory import accumulating
+from accumkernels.optimizers.factory import cached_class
 
 
 def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(name)
     import schedulefree
-    import torch
 
-    cls = getattr(schedulefree, name, None)
-    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
-        made = accumulating(cls, name=name, module=__name__)
-        globals()[name] = made
+    made = cached_class(globals(), __name__, schedulefree, name)
+    if made is not None:
         return made
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}: schedulefree has no "
                          f"optimizer {name!r}")

@@ -15,7 +15,7 @@ rounded stochastically (the fp32 window still sums the micro-batches).
 
 from __future__ import annotations
 
-from accumkernels.optimizers.factory import accumulating
+from accumkernels.optimizers.factory import cached_class
 
 _ALIASES = {"AdamW": ("AdamW", "_AdamW")}  # public name first, then torchao 0.13's
 _NOT_OFFERED = {"CPUOffloadOptimizer": "it offloads and steps on its own schedule; wrap the "
@@ -28,14 +28,10 @@ def __getattr__(name: str):
     if name in _NOT_OFFERED:
         raise AttributeError(f"accumkernels.optimizers.torchao.{name} is not offered: "
                              f"{_NOT_OFFERED[name]}")
-    import torch
     import torchao.optim
 
-    for candidate in _ALIASES.get(name, (name,)):
-        cls = getattr(torchao.optim, candidate, None)
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
-            made = accumulating(cls, name=name, module=__name__)
-            globals()[name] = made
-            return made
+    made = cached_class(globals(), __name__, torchao.optim, name, _ALIASES.get(name))
+    if made is not None:
+        return made
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}: torchao.optim "
                          f"{torchao.__version__} has no optimizer {name!r}")
