@@ -95,17 +95,27 @@ def optimizer_classes() -> set[str]:
     return out
 
 
+def _torchs(cls, name: str) -> bool:
+    """Whether ``cls.name`` is torch's own: other libraries add methods to nn.Module when
+    imported (transformers' ``smart_apply``), which would make the surface depend on the order
+    the tests import them in."""
+    return getattr(getattr(cls, name), "__module__", None) in (None, "") or \
+        getattr(getattr(cls, name), "__module__", "").startswith("torch")
+
+
 def user_hooks() -> set[str]:
     """The hooks torch lets a user register on a tensor, a module, or the inner optimizer."""
-    out = {f"Tensor.{n}" for n in dir(torch.Tensor) if n.startswith("register_")}
-    out |= {f"inner.{n}" for n in dir(torch.optim.Optimizer) if n.startswith("register_")}
+    out = {f"Tensor.{n}" for n in dir(torch.Tensor) if n.startswith("register_")
+           and _torchs(torch.Tensor, n)}
+    out |= {f"inner.{n}" for n in dir(torch.optim.Optimizer) if n.startswith("register_")
+            and _torchs(torch.optim.Optimizer, n)}
     return out
 
 
 def module_actions() -> set[str]:
     """What a loop can do to the model: every public method of nn.Module, and requires_grad_
     at each point of a micro-batch, params added or replaced, no clear at all."""
-    out = {f"Module.{n}" for n in dir(nn.Module) if not n.startswith("_")}
+    out = {f"Module.{n}" for n in dir(nn.Module) if not n.startswith("_") and _torchs(nn.Module, n)}
     return out | {"requires_grad-before-forward", "requires_grad-between-forward-and-backward",
                   "requires_grad-mid-window", "param-added", "param-replaced", "no-zero_grad",
                   "p.grad=None"}
