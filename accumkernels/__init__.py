@@ -7,6 +7,7 @@ _torch_private.check_core()  # a torch without what the ops' registration needs:
 from accumkernels.batch_size import MicroBatchSearch, find_micro_batch_size
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model, validate_batch_sizes
+from accumkernels._version import __version__ as __version__
 from accumkernels.info import build_info
 from accumkernels.master_step import master_adam_step_, master_sgd_step_
 from accumkernels.ops import accumulate_, available_backends
@@ -31,4 +32,3 @@ __all__ = [
     "master_sgd_step_",
     "validate_batch_sizes",
 ]
-__version__ = "0.1.0"

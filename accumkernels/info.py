@@ -31,7 +31,7 @@ def build_info() -> dict[str, Any]:
     """The versions, what ``accumkernels._C`` was built with (``native`` False and
     ``native_error`` saying why when it cannot be loaded), and the backends usable on the CPU and
     on each visible GPU (``backends``, fastest first, as ``available_backends`` lists them)."""
-    from accumkernels import __version__
+    from accumkernels._version import __version__
     from accumkernels.backends import native
     from accumkernels.ops import available_backends
 
