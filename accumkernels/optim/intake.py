@@ -70,13 +70,13 @@ class Intake:
         self.buffer = buffer
         self.views = [buffer.view(p) for p in params]
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._bucket_index = [buffer.bucket_of(p).index for p in params]
-        self._bucket_len = [len(b.params) for b in buffer.buckets]
-        self._check_each_microbatch = self.config.nonfinite == "skip_microbatch"
+        self.bucket_index = [buffer.bucket_of(p).index for p in params]
+        self.bucket_len = [len(b.params) for b in buffer.buckets]
+        self.check_each_microbatch = self.config.nonfinite == "skip_microbatch"
         self.move_in_backward = self.config.accumulate_in_backward
         # bucket index -> {param index: its gradient of this backward, held until moved}
         self.pending: dict[int, dict[int, torch.Tensor]] = {}
-        self._flushed: dict[int, int] = {}  # bucket index -> params moved early (flush)
+        self.flushed: dict[int, int] = {}  # bucket index -> params moved early (flush)
         self._active = False  # inside a backward that touched our params
         self._deferred = False  # ... waiting for the outer backward to end
         self._got_grad = False  # an AccumulateGrad (or fused write) ran in it
@@ -178,6 +178,14 @@ class Intake:
 
         node.register_hook(outer_continues)
 
+    def arrived(self, count: bool = True) -> None:
+        """A hook of ours runs in a backward (begun here if it is new); ``count``: it saw a
+        gradient of this backward, which makes the backward a micro-batch."""
+        if self._starting():
+            self._begin()
+        if count:
+            self._got_grad = True
+
     def _starting(self) -> bool:
         """Whether ``_begin`` has anything to do (the hot hooks skip the call otherwise)."""
         return not self._active or (not self._deferred and self._end_ref() is None)
@@ -200,7 +208,7 @@ class Intake:
             if not self.move_in_backward:
                 return  # unmoved gradients of earlier backwards: autograd adds to them
             if self.in_weight_pass:  # written in the block: held, this backward's adds to it
-                pend = self.pending.setdefault(self._bucket_index[i], {})
+                pend = self.pending.setdefault(self.bucket_index[i], {})
                 held = pend.get(i)
                 pend[i] = g.detach().clone() if held is None else held.add_(g)
             else:
@@ -214,9 +222,7 @@ class Intake:
         if i in self.front.early:  # moved by front_grad; the user's hooks ran on the window
             self.front.after_user_hooks(i)
             return
-        if self._starting():
-            self._begin()
-        self._got_grad = True
+        self.arrived()
         if not self.move_in_backward:
             return
         g = p.grad
@@ -226,7 +232,7 @@ class Intake:
             self.window.touch([p])  # until the next call absorbs it
             return
         p.grad = None  # held below until moved (the module docstring says why)
-        index = self._bucket_index[i]
+        index = self.bucket_index[i]
         pend = self.pending.get(index)
         if pend is None:
             pend = self.pending[index] = {}
@@ -235,11 +241,11 @@ class Intake:
             held.add_(g)  # checkpointing): added in p's dtype, as AccumulateGrad adds it
             return
         pend[i] = g
-        if self._check_each_microbatch:
+        if self.check_each_microbatch:
             return  # checked, then moved, at the end of the backward
-        if len(pend) + self._flushed.get(index, 0) == self._bucket_len[index]:
+        if len(pend) + self.flushed.get(index, 0) == self.bucket_len[index]:
             del self.pending[index]
-            self._launch_held(index, pend)
+            self.launch_held(index, pend)
 
     def flush(self, params: list[torch.Tensor]) -> None:
         """Move the pending gradients of ``params`` now, before their bucket is complete
@@ -254,13 +260,13 @@ class Intake:
                 del pend[i]
             if not pend:
                 del self.pending[index]
-            self._flushed[index] = self._flushed.get(index, 0) + len(take)
-            self._launch_held(index, take)
+            self.flushed[index] = self.flushed.get(index, 0) + len(take)
+            self.launch_held(index, take)
 
     def end_backward(self) -> None:
         self._active, self._deferred, self._end_ref = False, False, None
         pending, self.pending = self.pending, {}
-        self._flushed = {}
+        self.flushed = {}
         early, saved = self.front.end()
         kept = True
         if pending or early:
@@ -269,7 +275,7 @@ class Intake:
                     [g for pend in pending.values() for g in pend.values()] + early)
             if kept:  # (a dropped micro-batch: its held gradients are released with ``pending``)
                 for index, pend in pending.items():
-                    self._launch_held(index, pend)
+                    self.launch_held(index, pend)
             else:  # what front_grad moved of it leaves the window
                 self.front.put_back(saved)
         self.counted = self.counted or self._got_grad
@@ -290,7 +296,7 @@ class Intake:
                          self.nonfinite.launch_flag())
 
     # -- moving gradients ----------------------------------------------------------------------
-    def _launch_held(self, index: int, pend: dict[int, torch.Tensor]) -> None:
+    def launch_held(self, index: int, pend: dict[int, torch.Tensor]) -> None:
         self.launch(self.buffer.buckets[index], [self.params[i] for i in pend],
                     list(pend.values()))
 
@@ -299,14 +305,14 @@ class Intake:
         """Move ``grads`` of ``params`` (of one bucket) into the window."""
         if not params:
             return
-        self._move(params, grads)
-        self._bucket_moved(bucket)
+        self.move(params, grads)
+        self.bucket_moved(bucket)
 
-    def _bucket_moved(self, bucket: Bucket) -> None:
+    def bucket_moved(self, bucket: Bucket) -> None:
         n = self.config.accumulation_steps
         self.sync.bucket_moved(bucket, n is not None and self.window.micro_steps == n - 1)
 
-    def _move(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def move(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         window = self.window
         fresh = [k for k, p in enumerate(params) if window.first_write(p)]
         again = [k for k, p in enumerate(params) if not window.first_write(p)] \

@@ -51,9 +51,7 @@ def _outside_hook(intake_ref):
     def hook(param):
         intake = intake_ref()
         if intake is not None and param.requires_grad:  # (frozen since the forward: nothing)
-            if intake._starting():
-                intake._begin()
-            intake._got_grad = True
+            intake.arrived()
     return hook
 
 

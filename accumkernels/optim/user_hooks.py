@@ -35,18 +35,17 @@ class FrontMoves:
         p = intake.params[i]
         if not p.requires_grad or not intake.move_in_backward or intake.in_weight_pass:
             return
-        if intake._starting():
-            intake._begin()
+        intake.arrived(count=False)
         g = p.grad
         if g is None or g.requires_grad:
             return  # (undefined, or carrying create_graph's graph: after_grad's cases)
-        intake._got_grad = True
+        intake.arrived()
         view = intake.views[i]
-        if intake._check_each_microbatch:  # checked at the end; put back if dropped
+        if intake.check_each_microbatch:  # checked at the end; put back if dropped
             if i not in self.saved:
                 self.saved[i] = view.clone() if intake.window.holds(p) else None
             self.grads.append(g)
-        intake._move([p], [g])
+        intake.move([p], [g])
         p.grad = view
         self.early.setdefault(i, False)  # (its bucket hears of it after the user's hooks)
 
@@ -60,18 +59,18 @@ class FrontMoves:
             intake.absorb(p, g)  # a .grad the user's hook assigned: p's gradient now
         # hidden again in a multi-rank job (DDP must not see the window: the intake's docstring)
         p.grad = None if intake.sync.ddp_possible() else intake.views[i]
-        if self.early[i] or intake._check_each_microbatch:
+        if self.early[i] or intake.check_each_microbatch:
             return  # (counted already; skip_microbatch moves the rest at the end)
         self.early[i] = True
-        index = intake._bucket_index[i]
-        flushed = intake._flushed[index] = intake._flushed.get(index, 0) + 1
+        index = intake.bucket_index[i]
+        flushed = intake.flushed[index] = intake.flushed.get(index, 0) + 1
         pend = intake.pending.get(index, {})
-        if len(pend) + flushed == intake._bucket_len[index]:
+        if len(pend) + flushed == intake.bucket_len[index]:
             intake.pending.pop(index, None)
             if pend:
-                intake._launch_held(index, pend)
+                intake.launch_held(index, pend)
             else:
-                intake._bucket_moved(intake.buffer.buckets[index])
+                intake.bucket_moved(intake.buffer.buckets[index])
 
     def put_back(self, saved: dict[int, torch.Tensor | None]) -> None:
         """A dropped micro-batch: the views front_grad wrote hold what they held before it."""
