@@ -4,6 +4,8 @@ the wrapper's side (_matrix_loop) and the judge's (_matrix_oracle). Plain torch 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -94,3 +96,18 @@ def clear(ctx, opt, model) -> None:
             p.grad = None
     elif ctx.loop != "no-zero_grad":
         opt.zero_grad(set_to_none=not keep)
+
+
+@functools.cache
+def native_steps_after_add_param_group(cls_name: str) -> bool:
+    """Whether the installed torch's own optimizer steps a group added by add_param_group
+    (torch 2.11's Adagrad makes its state in __init__ only: KeyError 'sum' natively)."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = getattr(torch.optim, cls_name)([a], lr=0.1)
+    opt.add_param_group({"params": [b]})
+    (a.sum() + b.sum()).backward()
+    try:
+        opt.step()
+    except KeyError:
+        return False
+    return True
