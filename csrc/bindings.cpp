@@ -148,11 +148,13 @@ namespace accumkernels {
 // csrc/master_step_cuda_host.cpp): each file binds its own functions.
 void bind_master_step_cpu(pybind11::module_& m);
 void bind_master_step_cuda(pybind11::module_& m);
+void bind_grad_hooks(pybind11::module_& m);
 }  // namespace accumkernels
 
 PYBIND11_MODULE(_C, m) {
   ak::bind_master_step_cpu(m);
   ak::bind_master_step_cuda(m);
+  ak::bind_grad_hooks(m);
   m.doc() = "accumkernels native kernels: fused multi-tensor dst += scale * float32(src)";
   m.attr("DTYPE_FLOAT32") = static_cast<int>(ak::kFloat32);
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(ak::kBFloat16);
@@ -228,6 +230,22 @@ PYBIND11_MODULE(_C, m) {
       "tensor of its list's kind (LIST_FP32, LIST_LOW, LIST_STEP): contiguous, no neg bit, on "
       "the first master's device, of the kind's dtype and of its master's sizes (one element "
       "for LIST_STEP). False also when the tensor reader is off.");
+  m.def(
+      "metas_snapshot",
+      [](py::handle tensors) {
+        return py::bytes(ak::metas_snapshot(tensors.ptr()));
+      },
+      py::arg("tensors"),
+      "One record of every tensor's metadata (address, numel, sizes, dtype, device, neg bit): "
+      "b'' when the reader is off or an entry is unreadable, non-contiguous or over 8-d.");
+  m.def(
+      "metas_same",
+      [](py::handle tensors, const py::bytes& snapshot) {
+        return ak::metas_same(tensors.ptr(), std::string(snapshot));
+      },
+      py::arg("tensors"), py::arg("snapshot"),
+      "Whether `tensors` reads now exactly as `snapshot` (from metas_snapshot) recorded it; "
+      "False for b''.");
   m.attr("LIST_FP32") = static_cast<long>(ak::kListFp32);
   m.attr("LIST_LOW") = static_cast<long>(ak::kListLow);
   m.attr("LIST_STEP") = static_cast<long>(ak::kListStep);

@@ -3,6 +3,9 @@
 // the lists, where the Python rules (accumkernels/master_step_checks.py, layouts.py) read five
 // or six attributes per tensor. It only ever accepts: any other answer sends the call down the
 // Python path, which applies every rule and names a broken one.
+#include <cstring>
+#include <string>
+
 #include "accumulate.h"
 #include "torch_api.h"
 
@@ -44,6 +47,50 @@ bool lists_plain(PyObject* lists, PyObject* kinds) {
       if (k > 0 && (!read_meta(PyList_GET_ITEM(masters, i), master) || !same_sizes(m, master)))
         return false;
     }
+  }
+  return true;
+}
+
+namespace {
+
+// One tensor's record in a snapshot: the reader's facts as int64 words, sizes padded with 0.
+constexpr size_t kRecordWords = 6 + kSnapshotDims;
+
+bool record_of(PyObject* t, int64_t* out) {
+  TensorMeta m{};
+  if (!read_meta(t, m) || !m.contiguous || m.dtype < 0 || m.ndim > kSnapshotDims) return false;
+  out[0] = static_cast<int64_t>(m.data);
+  out[1] = m.numel;
+  out[2] = m.ndim;
+  out[3] = m.dtype;
+  out[4] = (static_cast<int64_t>(m.device_type) << 32) | static_cast<uint32_t>(m.device_index);
+  out[5] = m.neg ? 1 : 0;
+  for (int64_t k = 0; k < kSnapshotDims; ++k) out[6 + k] = k < m.ndim ? m.sizes[k] : 0;
+  return true;
+}
+
+}  // namespace
+
+std::string metas_snapshot(PyObject* tensors) {
+  if (!torch_api_ready() || !PyList_Check(tensors)) return {};
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  std::string snap(static_cast<size_t>(n) * kRecordWords * sizeof(int64_t), '\0');
+  auto* words = reinterpret_cast<int64_t*>(snap.data());
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!record_of(PyList_GET_ITEM(tensors, i), words + i * kRecordWords)) return {};
+  return snap;
+}
+
+bool metas_same(PyObject* tensors, const std::string& snapshot) {
+  if (snapshot.empty() || !torch_api_ready() || !PyList_Check(tensors)) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  if (snapshot.size() != static_cast<size_t>(n) * kRecordWords * sizeof(int64_t)) return false;
+  const auto* want = reinterpret_cast<const int64_t*>(snapshot.data());
+  int64_t now[kRecordWords];
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!record_of(PyList_GET_ITEM(tensors, i), now) ||
+        std::memcmp(now, want + i * kRecordWords, sizeof now) != 0)
+      return false;
   }
   return true;
 }

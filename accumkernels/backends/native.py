@@ -177,6 +177,44 @@ def lists_plain(lists: list, kinds: list) -> bool:
     return READER and _C.lists_plain(lists, kinds)
 
 
+_metas_snapshot = getattr(_C, "metas_snapshot", None)
+_metas_same = getattr(_C, "metas_same", None)
+
+
+def metas_snapshot(tensors: list) -> bytes:
+    """Every tensor's metadata as the tensor reader reads it (address, numel, sizes, dtype,
+    device, neg bit), one record: ``b""`` (compares equal to nothing) when the reader is off or
+    an entry is unreadable, not contiguous or of over 8 dims (csrc/list_meta.cpp)."""
+    if not READER or _metas_snapshot is None:
+        return b""
+    return _metas_snapshot(tensors)
+
+
+def metas_same(tensors: list, snapshot: bytes) -> bool:
+    """Whether ``tensors`` reads now exactly as ``snapshot`` (:func:`metas_snapshot`) recorded
+    it: one pass of the reader; False for ``b""``."""
+    return bool(snapshot) and READER and _metas_same(tensors, snapshot)
+
+
+def grad_hook_types() -> tuple[type, type] | None:
+    """The intake's hooks as C callables (``_C.PreHook``, ``_C.PostHook``), or None where the
+    extension lacks them; ``ACCUMKERNELS_PYTHON_HOOKS=1`` asks for the Python ones."""
+    if _C is None or not hasattr(_C, "PreHook") or \
+            os.environ.get("ACCUMKERNELS_PYTHON_HOOKS", "") not in ("", "0"):
+        return None
+    return _C.PreHook, _C.PostHook
+
+
+_grads_are = getattr(_C, "grads_are", None)
+
+
+def grads_are(params: list, views: list) -> bool:
+    """Whether every ``params[i].grad`` is ``views[i]`` (the same object), read once each."""
+    if _grads_are is not None:
+        return _grads_are(params, views)
+    return len(params) == len(views) and all(p.grad is v for p, v in zip(params, views))
+
+
 def _stream(device: torch.device) -> int:
     try:
         return torch._C._cuda_getCurrentRawStream(device.index)

@@ -189,7 +189,7 @@ def restore(parts, intake, step, sd: dict) -> None:
     with parts.masters.swapped():  # the inner state of bf16/fp16 params is the masters' (fp32)
         _load_inner(parts.optimizer, parsed["inner"])
     # Nothing below can fail.
-    intake.pending = {}
+    intake.pending.clear()
     step.reset_window()
     if parsed.get("native"):
         parts.masters.take_from_model()

@@ -8,9 +8,11 @@ included), ``model.half()``, ``model.share_memory()`` (which moves the buffer's 
 
 Where it is checked:
 
-* per gradient, in the tensor pre-hook that runs anyway (:meth:`Guard.before_grad`): the param's
-  dtype and device, the view's data pointer, sparse and graph-carrying gradients: a few
-  attribute reads per param, no extra pass;
+* once per backward, when its first hook runs (:meth:`Guard.check_backward`): every param's
+  dtype, device and layout and every view's data pointer, read in one pass of the tensor
+  reader and compared with what they were when last found right (the Python rules when they
+  differ or cannot be read); a sparse gradient is refused where the post-accumulate hook takes
+  it (:meth:`Guard.refuse_layout`);
 * whole, at the wrapper's own calls (``step``, ``zero_grad``, ``state_dict``, ...):
   :meth:`Guard.check_all`, O(params) Python like the native ``zero_grad``;
 * the launch plans re-validate their buffer storage themselves, once per launch.
@@ -42,6 +44,7 @@ import sys
 import torch
 
 from accumkernels import backends
+from accumkernels.backends.native import metas_same, metas_snapshot
 from accumkernels.buffer import grad_strides
 
 
@@ -59,28 +62,40 @@ class Guard:
         self.shown = False  # the views were put in p.grad and not hidden by the wrapper since
         self.strides = [p.stride() for p in intake.params]  # each param's layout, and where
         self.places = [p.data_ptr() for p in intake.params]  # it lay when it was last seen
+        # what check_backward reads in one pass: the params and the views, as last found right
+        self._watched = list(intake.params) + list(intake.views)
+        self._record = b""
 
-    # -- per gradient (hot path) ------------------------------------------------------------
-    def before_grad(self, i: int, grad: torch.Tensor) -> None:
-        """Checks for param i before its gradient lands; raises before anything is counted."""
-        intake = self.intake
-        p = intake.params[i]
-        if p.dtype is not self.dtypes[i] or p.device != self.devices[i]:
-            self._changed(i)
-            return  # a new guard (and buffer) checks from here on
-        if p.stride() != self.strides[i]:
-            self.relayout(i)
-        if grad is not None and grad.layout is not torch.strided:
-            raise ValueError(f"{self._name(i)} got a {grad.layout} gradient (e.g. "
-                             "nn.Embedding(sparse=True)); the fp32 window holds dense gradients "
-                             "only: use sparse=False, or train without AccumulatingOptimizer")
-        g = p.grad  # (clears from outside are looked for once per backward, in Intake._begin)
-        if g is not None and g is intake.views[i] and g.data_ptr() != self.ptrs[i]:
-            self.check_views()
+    # -- once per backward (hot path) ----------------------------------------------------------
+    def check_backward(self) -> None:
+        """At a backward's begin, before anything of it lands: every param's dtype, device and
+        layout unchanged and every view aliasing the buffer (else follow, relayout or raise, as
+        :meth:`check_all`; outside clears are looked for by the intake). The facts are read
+        again each time: one pass of the tensor reader compares them with the record of the
+        last time they were found right (``backends.native.metas_same``); anything it cannot
+        read, or any difference, takes the Python checks, which then record the new facts."""
+        watched = self._watched
+        if metas_same(watched, self._record):
+            return
+        self._check_layouts()
+        if self.intake.guard is self:  # (a followed move made a new guard: it records its own)
+            self._record = metas_snapshot(watched)
+
+    def refuse_layout(self, i: int, grad: torch.Tensor) -> None:
+        """Param i got a sparse (non-strided) gradient: the window holds dense ones only."""
+        raise ValueError(f"{self._name(i)} got a {grad.layout} gradient (e.g. "
+                         "nn.Embedding(sparse=True)); the fp32 window holds dense gradients "
+                         "only: use sparse=False, or train without AccumulatingOptimizer")
 
     # -- whole (at the wrapper's calls) -----------------------------------------------------
     def check_all(self) -> None:
         """Every param: dtype/device unchanged, views aliasing the buffer, outside clears."""
+        self._check_layouts()
+        if self.shown:
+            self.cleared_outside()
+
+    def _check_layouts(self) -> None:
+        """Every param's dtype, device and layout, and the views' data (the Python rules)."""
         for i, (p, dtype, device, stride) in enumerate(zip(self.intake.params, self.dtypes,
                                                            self.devices, self.strides)):
             if p.dtype is not dtype or p.device != device:
@@ -89,8 +104,6 @@ class Guard:
             if p.stride() != stride:
                 self.relayout(i)
         self.check_views()
-        if self.shown:
-            self.cleared_outside()
 
     def relayout(self, i: int) -> None:
         """Param i's layout changed (``p.data = p.data.t()``, ``.to(memory_format=...)``): its

@@ -44,6 +44,7 @@ import torch
 
 from accumkernels._torch_private import queue_callback
 from accumkernels._util import LOW_PRECISION
+from accumkernels.backends.native import grads_are
 from accumkernels.buffer import Bucket, MasterGradBuffer
 from accumkernels.optim.backward import EndOfBackward, remove_handles
 from accumkernels.optim.guard import FORGOTTEN_LINE, Guard, pipeline_weight_pass
@@ -72,6 +73,7 @@ class Intake:
         self._index = {id(p): i for i, p in enumerate(params)}
         self.bucket_index = [buffer.bucket_of(p).index for p in params]
         self.bucket_len = [len(b.params) for b in buffer.buckets]
+        self._bucket_ids = [[id(p) for p in b.params] for b in buffer.buckets]
         self.check_each_microbatch = self.config.nonfinite == "skip_microbatch"
         self.move_in_backward = self.config.accumulate_in_backward
         # bucket index -> {param index: its gradient of this backward, held until moved}
@@ -86,6 +88,14 @@ class Intake:
         self.counted = False  # a backward counted itself (since the weight pass began)
         self.forgotten_line = False  # a pipeline weight pass ran outside weight_pass()
         self.front = FrontMoves(self)  # params with post-accumulate hooks of the user's
+        self._show_now = False  # this backward's post hooks show each view as they go
+        # the hooks' fast case (intake_hooks.C_HOOKS) applies to this backward: the weakref to
+        # its final callback (alive while it runs), else None
+        self._fast = None
+        self._shown_at_begin = False  # when it began, every param showed what expose() shows
+        # (the hooks hold these objects: they are updated in place, never replaced)
+        self.hidden: set[int] = set()  # views its pre-hooks hid that no post hook showed again
+        self.showable = self._showable_views()
         self.guard = Guard(self)
         self.handles: list = install_hooks(self, params, outside)
 
@@ -114,7 +124,8 @@ class Intake:
         hooks stay. Views shown in ``.grad`` are replaced by the new ones."""
         shown = [p.grad is view for p, view in zip(self.params, self.views)]
         self.buffer = buffer
-        self.views = [buffer.view(p) for p in self.params]
+        self.views[:] = [buffer.view(p) for p in self.params]
+        self.showable[:] = self._showable_views()
         for p, view, was_shown in zip(self.params, self.views, shown):
             if was_shown:
                 p.grad = view
@@ -123,32 +134,59 @@ class Intake:
     def discard(self) -> None:
         """``reset_window()``: held gradients and the backwards not yet moved go with it."""
         self.settle()
-        self.pending = {}
+        self.pending.clear()
         self.left.forget()
 
     # -- backward tracking ---------------------------------------------------------------------
     def _begin(self) -> None:
         self.settle()
         if not self._active:
+            self.guard.check_backward()  # (a followed move rebuilds the window: before anything)
             if not self.in_weight_pass and pipeline_weight_pass():
                 self.forgotten_line = True  # raised at step() (every rank gets there)
             self.outside_room.check_unfrozen(self.config.nonfinite, self.names)
             if self.left.grads:
                 self.left.cleared()
             self._active, self._got_grad, self._deferred = True, False, False
-            if self.guard.shown:  # .grad cleared from outside since the views were shown
-                self.guard.cleared_outside()
+            self._shown_at_begin = self._shows_window()
+            if self.guard.shown:
+                if not self._shown_at_begin:  # .grad cleared from outside since the views were
+                    self.guard.cleared_outside()  # shown
                 self.guard.shown = False  # from here on a None .grad is the wrapper's doing
+            self.hidden.clear()
             end = EndOfBackward(self)
             self._end_ref = weakref.ref(end)
             queue_callback(end)
             self.sync.backward_begins()
-            if self.sync.ddp_possible():
+            ddp = self.sync.ddp_possible()
+            # each post hook shows its param's view as it goes (end_backward then has nothing
+            # to show when every param showed it at the begin), unless the window stays hidden
+            self._show_now = self.move_in_backward and not self.in_weight_pass and not ddp \
+                and not self.check_each_microbatch
+            self._fast = self._end_ref if self._show_now and not torch.is_grad_enabled() \
+                else None  # (grad mode inside a backward: create_graph=True)
+            if ddp:
                 # DDP reads p.grad of params this backward gives no gradient too (those its
                 # graph search found unused): none may show the fp32 window (see the docstring),
                 # also before the wrapper learns of DDP at its first sync (hook registered later)
                 for i in range(len(self.params)):
                     self._hide(i)
+
+    def _shows_window(self) -> bool:
+        """Whether every param's ``.grad`` is what :meth:`expose` would make it now (its view
+        if the window holds it, else None): one read of each ``.grad``."""
+        if grads_are(self.params, self.views):
+            return True
+        grads = [p.grad for p in self.params]
+        held = self.window.held(self.params)
+        return all((g is view) if h else (g is None)
+                   for g, view, h in zip(grads, self.showable, held))
+
+    def _showable_views(self) -> list:
+        """Per param what ``.grad`` shows of the window: its view, or None for a bf16/fp16
+        param on a torch without ``grad_dtype`` (an fp32 ``.grad`` cannot sit on it)."""
+        return [view if (HAS_GRAD_DTYPE or p.dtype not in LOW_PRECISION) else None
+                for p, view in zip(self.params, self.views)]
 
     def settle(self) -> None:
         """Close a backward that raised (its final callback was dropped without running)."""
@@ -168,7 +206,7 @@ class Intake:
             self.guard.cleared_outside()
 
     def defer_to(self, node) -> None:
-        self._deferred = True
+        self._deferred, self._fast = True, None
 
         def outer_continues(*_):
             self._deferred = False
@@ -191,13 +229,20 @@ class Intake:
         return not self._active or (not self._deferred and self._end_ref() is None)
 
     def before_grad(self, i: int, grad: torch.Tensor) -> None:
-        self.guard.before_grad(i, grad)
-        if self._starting():
+        """The tensor pre-hook: p's gradient of this backward comes next; hide p's view."""
+        if not self._active or (not self._deferred and self._end_ref() is None):
             self._begin()
+        p = self.params[i]
+        g = p.grad
+        if g is None:
+            return
         if grad is not None and grad.requires_grad:  # backward(create_graph=True): autograd
             return  # adds out of place into the view, so .grad carries the graph (after_grad)
-        if self.params[i].grad is not None:
-            self._hide(i)
+        if g is self.views[i]:
+            p.grad = None
+            self.hidden.add(i)
+            return
+        self._hide(i)
 
     def _hide(self, i: int) -> None:
         p = self.params[i]
@@ -214,24 +259,37 @@ class Intake:
             else:
                 self.absorb(p, g)  # assigned from outside (held gradients never sit in .grad)
         p.grad = None
+        self.hidden.add(i)
 
-    def after_grad(self, i: int) -> None:
-        p = self.params[i]
+    def after_grad(self, i: int, p: torch.Tensor) -> None:
+        """The post-accumulate-grad hook: p's gradient of this backward is in ``.grad``; take it
+        out, hold it, and move its bucket once the bucket is complete."""
         if not p.requires_grad:  # frozen since the forward: autograd stored nothing (native
             return  # .grad stays as it was), so this is no gradient of a micro-batch
         if i in self.front.early:  # moved by front_grad; the user's hooks ran on the window
             self.front.after_user_hooks(i)
             return
-        self.arrived()
-        if not self.move_in_backward:
-            return
+        self._got_grad = True  # (the backward began: p's pre-hook ran just before)
         g = p.grad
         if g is None:  # undefined gradient (a Function returned None, or a fused write)
+            return
+        if g.layout is not torch.strided:
+            self.guard.refuse_layout(i, g)
+        if not self.move_in_backward:
             return
         if g.requires_grad:  # create_graph: .grad (window + this gradient) keeps its graph
             self.window.touch([p])  # until the next call absorbs it
             return
-        p.grad = None  # held below until moved (the module docstring says why)
+        if self._show_now:  # held below until moved; .grad shows the window meanwhile
+            p.grad = self.showable[i]
+            self.hidden.discard(i)
+            masters = self.masters.masters
+            if masters:
+                master, view = masters.get(id(p)), self.views[i]
+                if master is not None and master.grad is not view:
+                    master.grad = view
+        else:
+            p.grad = None  # held below until moved (the module docstring says why)
         index = self.bucket_index[i]
         pend = self.pending.get(index)
         if pend is None:
@@ -264,9 +322,10 @@ class Intake:
             self.launch_held(index, take)
 
     def end_backward(self) -> None:
-        self._active, self._deferred, self._end_ref = False, False, None
-        pending, self.pending = self.pending, {}
-        self.flushed = {}
+        self._active, self._deferred, self._end_ref, self._fast = False, False, None, None
+        pending = dict(self.pending)
+        self.pending.clear()
+        self.flushed.clear()
         early, saved = self.front.end()
         kept = True
         if pending or early:
@@ -284,7 +343,10 @@ class Intake:
         elif self._got_grad:
             self.left.backward_ended()
         if self.move_in_backward and not self.in_weight_pass:
-            self.expose()
+            if self._show_now and self._shown_at_begin and not self.hidden and not early:
+                self.guard.shown = True  # each param shows what expose() would show it
+            else:
+                self.expose()
 
     def claim(self, p: torch.Tensor) -> SlotWrite:
         """A fused kernel writes p's gradient of this backward straight into the window."""
@@ -297,33 +359,50 @@ class Intake:
 
     # -- moving gradients ----------------------------------------------------------------------
     def launch_held(self, index: int, pend: dict[int, torch.Tensor]) -> None:
-        self.launch(self.buffer.buckets[index], [self.params[i] for i in pend],
-                    list(pend.values()))
+        params = self.params
+        whole = len(pend) == self.bucket_len[index]
+        try:
+            self.launch(self.buffer.buckets[index], [params[i] for i in pend],
+                        list(pend.values()), self._bucket_ids[index] if whole else None)
+        except (TypeError, ValueError, RuntimeError):
+            for i, g in pend.items():  # (the hooks' fast case leaves the layout to the launch)
+                if g.layout is not torch.strided:
+                    self.guard.refuse_layout(i, g)
+            raise
 
     def launch(self, bucket: Bucket, params: list[torch.Tensor],
-               grads: list[torch.Tensor]) -> None:
+               grads: list[torch.Tensor], ids: list[int] | None = None) -> None:
         """Move ``grads`` of ``params`` (of one bucket) into the window."""
         if not params:
             return
-        self.move(params, grads)
+        self.move(params, grads, ids)
         self.bucket_moved(bucket)
 
     def bucket_moved(self, bucket: Bucket) -> None:
         n = self.config.accumulation_steps
         self.sync.bucket_moved(bucket, n is not None and self.window.micro_steps == n - 1)
 
-    def move(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def move(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+             ids: list[int] | None = None) -> None:
+        """Move ``grads`` of ``params`` into their views (``ids``: the params' ``id``, if
+        known): one launch when all are first writes of the window, or none is (the usual
+        case), else one of each."""
         window = self.window
-        fresh = [k for k, p in enumerate(params) if window.first_write(p)]
-        again = [k for k, p in enumerate(params) if not window.first_write(p)] \
-            if len(fresh) < len(params) else []
-        for group, overwrite in ((fresh, True), (again, False)):
-            if group:  # normally all of a bucket is fresh, or none: one launch
-                self.buffer.accumulate([params[k] for k in group], [grads[k] for k in group],
-                                       window.prescale(self.scaler.scale), overwrite=overwrite,
-                                       found_inf=self.nonfinite.launch_flag(),
-                                       backend=self.config.backend)
-        window.touch(params)
+        ids = [id(p) for p in params] if ids is None else ids
+        first = window.first_writes(ids)
+        if first is None:
+            touched = [window.holds(p) for p in params]
+            groups = [([p for p, t in zip(params, touched) if t is not fresh],
+                       [g for g, t in zip(grads, touched) if t is not fresh], fresh)
+                      for fresh in (True, False)]
+        else:
+            groups = [(params, grads, first)]
+        for group_params, group_grads, overwrite in groups:
+            self.buffer.accumulate(group_params, group_grads,
+                                   window.prescale(self.scaler.scale), overwrite=overwrite,
+                                   found_inf=self.nonfinite.launch_flag(),
+                                   backend=self.config.backend)
+        window.touch_ids(ids)
 
     def take_in(self) -> None:
         """Before any decision: close a backward that raised and take in what ``.grad`` holds

@@ -15,8 +15,13 @@ from accumkernels._torch_private import (
     run_post_accumulate_hook_first,
 )
 from accumkernels._util import LOW_PRECISION
+from accumkernels.backends.native import grad_hook_types
 
 HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
+# The pre and post hooks as C callables (csrc/grad_hooks.cpp) where the extension has them: the
+# same common case, without a Python frame per param; they call Intake.before_grad/after_grad
+# for the rest. (None: the Python closures below; tests switch between the two.)
+C_HOOKS = grad_hook_types()
 
 
 def install_hooks(intake, params: list[torch.Tensor], outside) -> list:
@@ -28,12 +33,22 @@ def install_hooks(intake, params: list[torch.Tensor], outside) -> list:
             p.grad = None
             p.grad_dtype = None  # any dtype may sit in .grad: the fp32 view, or bf16 grads
         user_hooks = has_post_accumulate_hooks(p)  # registered before wrapping
-        handles.append(p.register_hook(_pre_hook(me, i)))
+        if C_HOOKS is not None:
+            pre_type, post_type = C_HOOKS
+            pre = pre_type(me, i, weakref.ref(p), intake.views, intake.hidden)
+            # (with the user's hooks the Python one: front_grad's early moves are its to count)
+            post = _post_hook(me, i) if user_hooks else post_type(
+                me, i, intake.showable, intake.views, intake.hidden, intake.masters.masters,
+                intake.pending, intake.flushed, intake.bucket_index[i],
+                intake.bucket_len[intake.bucket_index[i]])
+        else:
+            pre, post = _pre_hook(me, i), _post_hook(me, i)
+        handles.append(p.register_hook(pre))
         if user_hooks:
             front = p.register_post_accumulate_grad_hook(_front_hook(me, i))
             run_post_accumulate_hook_first(p, front)
             handles.append(front)
-        handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
+        handles.append(p.register_post_accumulate_grad_hook(post))
     for p in outside:  # params outside the window (float64, frozen): their backwards count
         handles.append(p.register_post_accumulate_grad_hook(_outside_hook(me)))
     return handles
@@ -67,5 +82,5 @@ def _post_hook(intake_ref, i: int):
     def hook(param):
         intake = intake_ref()
         if intake is not None:
-            intake.after_grad(i)
+            intake.after_grad(i, param)
     return hook

@@ -111,6 +111,22 @@ class Window:
             self.settle_carry()
         return id(p) not in self._touched
 
+    def first_writes(self, ids: list[int]) -> bool | None:
+        """:meth:`first_write` for the params of ``ids`` (their ``id``) at once: True if it is
+        the first write of each, False if of none, None if of some (one settling of the carried
+        scale)."""
+        if self.carry_scale is not None:
+            self.settle_carry()
+        touched = self._touched
+        if not touched or touched.isdisjoint(ids):
+            return True
+        return False if touched.issuperset(ids) else None
+
+    def touch_ids(self, ids: list[int]) -> None:
+        """:meth:`touch` by the params' ``id``."""
+        self._touched.update(ids)
+        self.carried_only = False
+
     # -- micro-batches and weights ---------------------------------------------------------------
     def add_microbatch(self, kept: bool) -> None:
         if kept:

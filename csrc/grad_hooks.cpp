@@ -1,0 +1,411 @@
+// The intake's per-param autograd hooks (accumkernels/optim/intake.py) as C callables.
+//
+// Autograd calls a tensor pre-hook and a post-accumulate-grad hook for every param in every
+// backward. As Python functions each costs a frame and a handful of bytecodes on top of what it
+// does; for a model of 148 params that is most of what the wrapper adds to a backward. These
+// types do the common case of each hook with the same C API calls the Python code makes
+// (attribute reads and writes, dict and set updates) and call the intake's Python method for
+// everything else, so the Python method stays the one definition of what a hook does:
+//
+// * PreHook(intake_ref, i, param_ref, views, hidden): in an open backward, p.grad None:
+//   nothing; p.grad its view (views[i]) and the incoming gradient without a graph: p.grad =
+//   None, i added to `hidden`. Otherwise `intake.before_grad(i, grad)`.
+// * PostHook(intake_ref, i, shown, views, hidden, masters, pending, flushed, bucket,
+//   bucket_len): with `intake._show_now`, a defined strided gradient without a graph, of a
+//   param that still requires grad: p.grad = shown[i], i dropped from `hidden`, p's master (if
+//   any) shows the view, the gradient held in `pending[bucket][i]`, and
+//   `intake.launch_held(bucket, pend)` once the bucket is complete. Otherwise
+//   `intake.after_grad(i, p)`.
+// The lists, sets and dicts are the intake's own objects, which it updates in place.
+//
+// Both hold the intake and the param weakly (a hook on a param that held it would keep it
+// alive through autograd's C++ side, where no Python collector sees the cycle).
+#include <pybind11/pybind11.h>
+#include <structmember.h>
+
+#include <cstddef>
+
+namespace accumkernels {
+namespace {
+
+PyObject* s_grad = nullptr;
+PyObject* s_fast = nullptr;
+PyObject* s_got_grad = nullptr;
+PyObject* s_before_grad = nullptr;
+PyObject* s_after_grad = nullptr;
+PyObject* s_launch_held = nullptr;
+PyObject* s_add_ = nullptr;
+
+// A new reference to the object behind weakref `ref`, or nullptr when it is gone.
+PyObject* deref(PyObject* ref) {
+  PyObject* obj = PyWeakref_GetObject(ref);  // borrowed
+  if (obj == nullptr || obj == Py_None) return nullptr;
+  Py_INCREF(obj);
+  return obj;
+}
+
+// Whether the hooks' fast case applies now: `intake._fast` is the weakref to the open
+// backward's final callback (set by Intake._begin when the fast case applies to the whole
+// backward, None otherwise) and that callback is still alive (a backward that raised drops
+// it). 1 yes, 0 no, -1 error.
+int fast_open(PyObject* intake) {
+  PyObject* ref = PyObject_GetAttr(intake, s_fast);
+  if (ref == nullptr) return -1;
+  int open = 0;
+  if (PyWeakref_Check(ref)) {
+    PyObject* end = PyWeakref_GetObject(ref);
+    open = end != nullptr && end != Py_None;
+  }
+  Py_DECREF(ref);
+  return open;
+}
+
+// ---- PreHook -------------------------------------------------------------------------------
+struct PreHook {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* intake_ref;
+  PyObject* index;  // i as a Python int
+  Py_ssize_t i;
+  PyObject* param_ref;
+  PyObject* views;   // the intake's views (a list it updates in place)
+  PyObject* hidden;  // the intake's set of hidden views (never replaced, cleared in place)
+};
+
+// views[i] (borrowed), or nullptr with an IndexError.
+PyObject* item(PyObject* list, Py_ssize_t i) {
+  if (i >= PyList_GET_SIZE(list)) {
+    PyErr_SetString(PyExc_IndexError, "accumkernels grad hook: param index out of range");
+    return nullptr;
+  }
+  return PyList_GET_ITEM(list, i);
+}
+
+// The fast case; 1 done, 0 not taken (nothing changed), -1 error.
+int pre_fast(PreHook* self, PyObject* intake) {
+  const int open = fast_open(intake);
+  if (open <= 0) return open;
+  PyObject* param = deref(self->param_ref);
+  if (param == nullptr) return 0;
+  PyObject* view = item(self->views, self->i);
+  PyObject* g = view == nullptr ? nullptr : PyObject_GetAttr(param, s_grad);
+  int done = 0;
+  if (g == nullptr) {
+    done = -1;
+  } else if (g == Py_None) {
+    done = 1;
+  } else if (g == view) {
+    done = PyObject_SetAttr(param, s_grad, Py_None) == 0 &&
+                   PySet_Add(self->hidden, self->index) == 0
+               ? 1
+               : -1;
+  }
+  Py_XDECREF(g);
+  Py_DECREF(param);
+  return done;
+}
+
+PyObject* pre_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* self = reinterpret_cast<PreHook*>(obj);
+  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "PreHook takes one argument (the gradient)");
+    return nullptr;
+  }
+  PyObject* grad = args[0];
+  PyObject* intake = deref(self->intake_ref);
+  if (intake == nullptr) Py_RETURN_NONE;
+  const int done = pre_fast(self, intake);
+  PyObject* out = nullptr;
+  if (done == 1) {
+    out = Py_NewRef(Py_None);
+  } else if (done == 0) {
+    PyObject* r = PyObject_CallMethodObjArgs(intake, s_before_grad, self->index, grad, nullptr);
+    if (r != nullptr) {
+      Py_DECREF(r);
+      out = Py_NewRef(Py_None);
+    }
+  }
+  Py_DECREF(intake);
+  return out;
+}
+
+int pre_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
+  auto* self = reinterpret_cast<PreHook*>(obj);
+  PyObject *intake_ref, *index, *param_ref, *views, *hidden;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &_PyWeakref_RefType, &intake_ref, &PyLong_Type,
+                        &index, &_PyWeakref_RefType, &param_ref, &PyList_Type, &views,
+                        &PySet_Type, &hidden))
+    return -1;
+  self->i = PyLong_AsSsize_t(index);
+  if (self->i < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative param index");
+    return -1;
+  }
+  self->vectorcall = pre_vectorcall;
+  Py_XSETREF(self->intake_ref, Py_NewRef(intake_ref));
+  Py_XSETREF(self->index, Py_NewRef(index));
+  Py_XSETREF(self->param_ref, Py_NewRef(param_ref));
+  Py_XSETREF(self->views, Py_NewRef(views));
+  Py_XSETREF(self->hidden, Py_NewRef(hidden));
+  return 0;
+}
+
+void pre_dealloc(PyObject* obj) {
+  auto* self = reinterpret_cast<PreHook*>(obj);
+  PyTypeObject* type = Py_TYPE(obj);
+  Py_CLEAR(self->intake_ref);
+  Py_CLEAR(self->index);
+  Py_CLEAR(self->param_ref);
+  Py_CLEAR(self->views);
+  Py_CLEAR(self->hidden);
+  type->tp_free(obj);
+  Py_DECREF(type);
+}
+
+PyMemberDef pre_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(PreHook, vectorcall), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyType_Slot pre_slots[] = {
+    {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+    {Py_tp_members, pre_members},
+    {Py_tp_init, reinterpret_cast<void*>(pre_init)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(pre_dealloc)},
+    {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
+    {Py_tp_doc, const_cast<char*>("The intake's tensor pre-hook for one param (grad_hooks.cpp).")},
+    {0, nullptr}};
+PyType_Spec pre_spec = {"accumkernels._C.PreHook", sizeof(PreHook), 0,
+                        Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL, pre_slots};
+
+// ---- PostHook ------------------------------------------------------------------------------
+struct PostHook {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* intake_ref;
+  PyObject* index;
+  Py_ssize_t i;
+  PyObject* shown;  // per param what p.grad shows once its gradient is held (a list, in place)
+  PyObject* views;  // the intake's views (a list it updates in place)
+  PyObject* hidden;
+  PyObject* masters;  // id(param) -> master weight (the MasterWeights dict, only ever grows)
+  PyObject* pending;  // bucket -> {param index: held gradient} (the intake's, cleared in place)
+  PyObject* flushed;  // bucket -> params moved early (the intake's, cleared in place)
+  PyObject* bucket;   // p's bucket index as a Python int
+  Py_ssize_t bucket_len;
+};
+
+// The fast case; 1 done, 0 not taken (nothing changed), -1 error.
+int post_fast(PostHook* self, PyObject* intake, PyObject* param) {
+  const int open = fast_open(intake);
+  if (open <= 0) return open;
+  PyObject* view = item(self->views, self->i);  // borrowed
+  if (view == nullptr) return -1;
+  PyObject* g = PyObject_GetAttr(param, s_grad);
+  if (g == nullptr) return -1;
+  int done = 0;
+  PyObject* shown = nullptr;  // borrowed
+  PyObject* master = nullptr;
+  PyObject* pend = nullptr;
+  // None: p frozen since the forward (autograd stored nothing); the view: not hidden. Python's
+  if (g == Py_None || g == view) goto out;  // cases, as every gradient in a bucket of the fast
+  // path's first launch (a sparse one is refused there, in Intake.launch_held)
+  // from here on the fast case is taken: nothing below may decline
+  shown = item(self->shown, self->i);
+  if (shown == nullptr || PyObject_SetAttr(intake, s_got_grad, Py_True) != 0 ||
+      PyObject_SetAttr(param, s_grad, shown) != 0 || PySet_Discard(self->hidden, self->index) < 0)
+    goto fail;
+  if (PyDict_GET_SIZE(self->masters) > 0) {
+    PyObject* key = PyLong_FromVoidPtr(param);
+    if (key == nullptr) goto fail;
+    master = PyDict_GetItemWithError(self->masters, key);  // borrowed
+    Py_DECREF(key);
+    if (master == nullptr && PyErr_Occurred()) goto fail;
+    if (master != nullptr) {
+      Py_INCREF(master);
+      PyObject* mg = PyObject_GetAttr(master, s_grad);
+      if (mg == nullptr) goto fail;
+      const bool same = mg == view;
+      Py_DECREF(mg);
+      if (!same && PyObject_SetAttr(master, s_grad, view) != 0) goto fail;
+    }
+  }
+  pend = PyDict_GetItemWithError(self->pending, self->bucket);  // borrowed
+  if (pend == nullptr) {
+    if (PyErr_Occurred()) goto fail;
+    pend = PyDict_New();
+    if (pend == nullptr || PyDict_SetItem(self->pending, self->bucket, pend) != 0) goto fail;
+  } else {
+    Py_INCREF(pend);
+  }
+  {
+    PyObject* held = PyDict_GetItemWithError(pend, self->index);  // borrowed
+    if (held == nullptr && PyErr_Occurred()) goto fail;
+    if (held != nullptr) {  // a second gradient for p in this backward (reentrant checkpointing)
+      PyObject* sum = PyObject_CallMethodObjArgs(held, s_add_, g, nullptr);
+      if (sum == nullptr) goto fail;
+      Py_DECREF(sum);
+      done = 1;
+      goto out;
+    }
+  }
+  if (PyDict_SetItem(pend, self->index, g) != 0) goto fail;
+  {
+    Py_ssize_t moved = 0;
+    PyObject* early = PyDict_GetItemWithError(self->flushed, self->bucket);  // borrowed
+    if (early == nullptr && PyErr_Occurred()) goto fail;
+    if (early != nullptr) {
+      moved = PyLong_AsSsize_t(early);
+      if (moved == -1 && PyErr_Occurred()) goto fail;
+    }
+    if (PyDict_GET_SIZE(pend) + moved == self->bucket_len) {
+      if (PyDict_DelItem(self->pending, self->bucket) != 0) goto fail;
+      PyObject* res =
+          PyObject_CallMethodObjArgs(intake, s_launch_held, self->bucket, pend, nullptr);
+      if (res == nullptr) goto fail;
+      Py_DECREF(res);
+    }
+  }
+  done = 1;
+  goto out;
+fail:
+  done = -1;
+out:
+  Py_XDECREF(pend);
+  Py_XDECREF(master);
+  Py_DECREF(g);
+  return done;
+}
+
+PyObject* post_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
+                          PyObject* kwnames) {
+  auto* self = reinterpret_cast<PostHook*>(obj);
+  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "PostHook takes one argument (the param)");
+    return nullptr;
+  }
+  PyObject* param = args[0];
+  PyObject* intake = deref(self->intake_ref);
+  if (intake == nullptr) Py_RETURN_NONE;
+  const int done = post_fast(self, intake, param);
+  PyObject* out = nullptr;
+  if (done == 1) {
+    out = Py_NewRef(Py_None);
+  } else if (done == 0) {
+    PyObject* r = PyObject_CallMethodObjArgs(intake, s_after_grad, self->index, param, nullptr);
+    if (r != nullptr) {
+      Py_DECREF(r);
+      out = Py_NewRef(Py_None);
+    }
+  }
+  Py_DECREF(intake);
+  return out;
+}
+
+int post_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
+  auto* self = reinterpret_cast<PostHook*>(obj);
+  PyObject *intake_ref, *index, *shown, *views, *hidden, *masters, *pending, *flushed, *bucket;
+  Py_ssize_t bucket_len;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!n", &_PyWeakref_RefType, &intake_ref,
+                        &PyLong_Type, &index, &PyList_Type, &shown, &PyList_Type, &views,
+                        &PySet_Type, &hidden, &PyDict_Type, &masters, &PyDict_Type, &pending,
+                        &PyDict_Type, &flushed, &PyLong_Type, &bucket, &bucket_len))
+    return -1;
+  self->i = PyLong_AsSsize_t(index);
+  if (self->i < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative param index");
+    return -1;
+  }
+  self->vectorcall = post_vectorcall;
+  Py_XSETREF(self->intake_ref, Py_NewRef(intake_ref));
+  Py_XSETREF(self->index, Py_NewRef(index));
+  Py_XSETREF(self->shown, Py_NewRef(shown));
+  Py_XSETREF(self->views, Py_NewRef(views));
+  Py_XSETREF(self->hidden, Py_NewRef(hidden));
+  Py_XSETREF(self->masters, Py_NewRef(masters));
+  Py_XSETREF(self->pending, Py_NewRef(pending));
+  Py_XSETREF(self->flushed, Py_NewRef(flushed));
+  Py_XSETREF(self->bucket, Py_NewRef(bucket));
+  self->bucket_len = bucket_len;
+  return 0;
+}
+
+void post_dealloc(PyObject* obj) {
+  auto* self = reinterpret_cast<PostHook*>(obj);
+  PyTypeObject* type = Py_TYPE(obj);
+  Py_CLEAR(self->intake_ref);
+  Py_CLEAR(self->index);
+  Py_CLEAR(self->shown);
+  Py_CLEAR(self->views);
+  Py_CLEAR(self->hidden);
+  Py_CLEAR(self->masters);
+  Py_CLEAR(self->pending);
+  Py_CLEAR(self->flushed);
+  Py_CLEAR(self->bucket);
+  type->tp_free(obj);
+  Py_DECREF(type);
+}
+
+PyMemberDef post_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(PostHook, vectorcall), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyType_Slot post_slots[] = {
+    {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+    {Py_tp_members, post_members},
+    {Py_tp_init, reinterpret_cast<void*>(post_init)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(post_dealloc)},
+    {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
+    {Py_tp_doc,
+     const_cast<char*>("The intake's post-accumulate-grad hook for one param (grad_hooks.cpp).")},
+    {0, nullptr}};
+PyType_Spec post_spec = {"accumkernels._C.PostHook", sizeof(PostHook), 0,
+                         Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL, post_slots};
+
+// Whether every params[i].grad is views[i] (the same object): -1 on error.
+int grads_are(PyObject* params, PyObject* views) {
+  if (!PyList_Check(params) || !PyList_Check(views)) {
+    PyErr_SetString(PyExc_TypeError, "grads_are: params and views must be lists");
+    return -1;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(params);
+  if (PyList_GET_SIZE(views) != n) return 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* g = PyObject_GetAttr(PyList_GET_ITEM(params, i), s_grad);
+    if (g == nullptr) return -1;
+    const bool same = g == PyList_GET_ITEM(views, i);
+    Py_DECREF(g);
+    if (!same) return 0;
+  }
+  return 1;
+}
+
+}  // namespace
+
+void bind_grad_hooks(pybind11::module_& m) {
+  namespace py = pybind11;
+  const char* names[] = {"grad", "_fast", "_got_grad", "before_grad", "after_grad",
+                         "launch_held", "add_"};
+  PyObject** slots[] = {&s_grad, &s_fast, &s_got_grad, &s_before_grad, &s_after_grad,
+                        &s_launch_held, &s_add_};
+  for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); ++k) {
+    *slots[k] = PyUnicode_InternFromString(names[k]);
+    if (*slots[k] == nullptr) throw py::error_already_set();
+  }
+  PyObject* pre = PyType_FromSpec(&pre_spec);
+  if (pre == nullptr) throw py::error_already_set();
+  m.attr("PreHook") = py::reinterpret_steal<py::object>(pre);
+  PyObject* post = PyType_FromSpec(&post_spec);
+  if (post == nullptr) throw py::error_already_set();
+  m.attr("PostHook") = py::reinterpret_steal<py::object>(post);
+  m.def(
+      "grads_are",
+      [](py::handle params, py::handle views) {
+        const int r = grads_are(params.ptr(), views.ptr());
+        if (r < 0) throw py::error_already_set();
+        return r == 1;
+      },
+      py::arg("params"), py::arg("views"),
+      "Whether every params[i].grad is views[i] (the same object): one read of each .grad.");
+}
+
+}  // namespace accumkernels
