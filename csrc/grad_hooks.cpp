@@ -7,17 +7,19 @@
 // (attribute reads and writes, dict and set updates) and call the intake's Python method for
 // everything else, so the Python method stays the one definition of what a hook does:
 //
-// * PreHook(intake_ref, i, param_ref, views, hidden): in an open backward, p.grad None:
-//   nothing; p.grad its view (views[i]) and the incoming gradient without a graph: p.grad =
-//   None, i added to `hidden`. Otherwise `intake.before_grad(i, grad)`.
+// * PreHook(intake_ref, i, param_ref, views, hidden): in a backward the fast case applies to
+//   (`intake._fast`, see fast_open), p.grad None: nothing; p.grad its view (views[i]): p.grad =
+//   None and i added to `hidden`. Otherwise `intake.before_grad(i, grad)`.
 // * PostHook(intake_ref, i, shown, views, hidden, masters, pending, flushed, bucket,
-//   bucket_len): with `intake._show_now`, a defined strided gradient without a graph, of a
-//   param that still requires grad: p.grad = shown[i], i dropped from `hidden`, p's master (if
-//   any) shows the view, the gradient held in `pending[bucket][i]`, and
+//   bucket_len): in such a backward, p.grad a gradient (not None, not the view): p.grad =
+//   shown[i], i dropped from `hidden`, p's master (if any) shows the view, the gradient held in
+//   `pending[bucket][i]` (added to one held already: reentrant checkpointing), and
 //   `intake.launch_held(bucket, pend)` once the bucket is complete. Otherwise
 //   `intake.after_grad(i, p)`.
-// The lists, sets and dicts are the intake's own objects, which it updates in place.
-//
+// The fast case is set per backward by Intake._begin: the views shown as the hooks go, no
+// create_graph (grad mode off inside the backward), no DDP, no per-micro-batch check; inside
+// it every gradient is dense only if the launch finds it so (Intake.launch_held names a sparse
+// one). The lists, sets and dicts are the intake's own objects, which it updates in place.
 // Both hold the intake and the param weakly (a hook on a param that held it would keep it
 // alive through autograd's C++ side, where no Python collector sees the cycle).
 #include <pybind11/pybind11.h>

@@ -7,11 +7,21 @@ backward (``accumulate_in_backward=True``):
 1. a tensor pre-hook sees p's incoming gradient first and hides the view (``p.grad = None``),
    so autograd's AccumulateGrad stores the new low-precision gradient instead of adding it
    into the view param by param;
-2. a post-accumulate-grad hook takes it out of ``.grad`` (``p.grad`` stays None for the rest
-   of the backward) and holds it; when all params of a bucket are in, the bucket is moved with
-   one fused launch and the held low-precision gradients are released;
+2. a post-accumulate-grad hook takes it out of ``.grad`` and holds it; when all params of a
+   bucket are in, the bucket is moved with one fused launch and the held low-precision
+   gradients are released. In a one-process job ``.grad`` shows p's view again at once (what
+   the bucket's launch completes); in a multi-rank job, under ``nonfinite="skip_microbatch"``
+   and in a weight pass it stays None for the rest of the backward;
 3. at the end of the outermost backward (an autograd final callback, run after every other
-   final callback) the rest is moved, the views are shown again, and the micro-batch counted.
+   final callback) the rest is moved, the views are shown again (nothing to do when every hook
+   showed its view and every param showed it when the backward began), and the micro-batch
+   counted.
+
+The two hooks run for every param in every backward, so their common case is C
+(``csrc/grad_hooks.cpp``, installed by accumkernels.optim.intake_hooks): the same reads and
+writes as :meth:`Intake.before_grad` / :meth:`Intake.after_grad`, which they call for anything
+else, and one Python call per bucket (``launch_held``). The guard's checks (dtype, device,
+layout, views) run once per backward, before anything of it lands (``Guard.check_backward``).
 
 A backward counts as a micro-batch only if some AccumulateGrad (or fused weight-gradient
 write) ran in it: ``torch.autograd.grad`` fires the pre-hooks but never the post hooks, so it
@@ -279,6 +289,7 @@ class Intake:
             return
         if g.requires_grad:  # create_graph: .grad (window + this gradient) keeps its graph
             self.window.touch([p])  # until the next call absorbs it
+            self.hidden.add(i)  # (the end of the backward shows the rest: expose)
             return
         if self._show_now:  # held below until moved; .grad shows the window meanwhile
             p.grad = self.showable[i]
@@ -352,6 +363,7 @@ class Intake:
         """A fused kernel writes p's gradient of this backward straight into the window."""
         self._begin()
         self._got_grad = True
+        self.hidden.add(self._index[id(p)])  # (no hook shows its view: the end of it does)
         overwrite = self.window.first_write(p)
         self.window.touch([p])
         return SlotWrite(self.buffer.view(p), self.window.prescale(self.scaler.scale), overwrite,
@@ -418,7 +430,13 @@ class Intake:
     def absorb_assigned(self) -> None:
         """A ``.grad`` the user assigned (not the view) is what p's gradient means now."""
         self.settle()
-        self.guard.check_all()
+        guard = self.guard
+        guard.check_backward()  # (dtype, device, layout, views: as check_all, in one pass)
+        if grads_are(self.params, self.views):
+            return  # every .grad shows its view: nothing assigned, nothing cleared
+        guard = self.guard  # (a followed move made a new one)
+        if guard.shown:
+            guard.cleared_outside()
         for p, view in zip(self.params, self.views):
             g = p.grad
             if g is not None and g is not view:
@@ -434,6 +452,10 @@ class Intake:
     # -- what p.grad shows ---------------------------------------------------------------------
     def expose(self) -> None:
         """Show the window: ``p.grad`` (and its master's) is p's fp32 view; None if untouched."""
+        if self.window.holds_all(map(id, self.params)) and grads_are(self.params, self.views) \
+                and self.masters.grads_are(self.params, self.views):
+            self.guard.shown = True  # (each .grad shows its view already)
+            return
         show_lowp = HAS_GRAD_DTYPE
         held, masters = self.window.held(self.params), self.masters.masters  # (id(p) -> master)
         for p, view, holds in zip(self.params, self.views, held):

@@ -2,7 +2,12 @@
 (the incoming gradient: hide the view), the post-accumulate-grad hook (take the gradient out of
 ``.grad``), a front post-accumulate hook where the user's own hooks were registered before
 wrapping (accumkernels.optim.user_hooks), and on params outside the window a hook that only
-marks the backward as a micro-batch. Each holds the intake weakly."""
+marks the backward as a micro-batch. Each holds the intake weakly.
+
+The pre and post hooks are the extension's C callables where it has them (``C_HOOKS``;
+``csrc/grad_hooks.cpp``): they do the common case themselves and call ``Intake.before_grad``
+/ ``Intake.after_grad`` for the rest; the Python closures below call those methods always.
+Both kinds give the same results (tests/optim/test_host_paths.py runs each)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import contextlib
 import torch
 
 from accumkernels._util import LOW_PRECISION
+from accumkernels.backends.native import grads_are
 from accumkernels.backends.validate import is_dense
 from accumkernels.buffer import grad_strides
 from accumkernels.master_ops import copy_back_, resync_masters_
@@ -39,6 +40,7 @@ class MasterWeights:
         self.enabled = enabled
         self.masters: dict[int, torch.nn.Parameter] = {}
         self.model_params: list[torch.Tensor] = []  # in registration order, those with masters
+        self._targets = None  # (key, params, targets) of the last targets() call
 
     def retarget(self, params: list[torch.Tensor]) -> None:
         """fp32 copies of the low-precision ``params``. The inner optimizer keeps the model
@@ -59,6 +61,20 @@ class MasterWeights:
             if p in state:
                 state[p] = {k: v.float() if torch.is_tensor(v) and v.dtype in LOW_PRECISION
                             else v for k, v in state[p].items()}
+
+    def targets(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per param what the inner optimizer steps: its master, else the param itself (masters
+        are only ever added: the list is kept until one is)."""
+        key = (id(params), len(params), len(self.masters))
+        cached = self._targets
+        if cached is None or cached[0] != key or cached[1] is not params:
+            masters = self.masters
+            cached = self._targets = (key, params, [masters.get(id(p), p) for p in params])
+        return cached[2]
+
+    def grads_are(self, params: list[torch.Tensor], views: list[torch.Tensor]) -> bool:
+        """Whether each master of ``params`` shows its param's view as ``.grad``."""
+        return not self.masters or grads_are(self.targets(params), views)
 
     @contextlib.contextmanager
     def swapped(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from accumkernels.backends import native
 from accumkernels.optim.config import Config
 
 
@@ -93,7 +94,10 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if native.lists_plain([grads], [native.LIST_FP32]):  # one device, fp32: get_total_norm's
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    else:  # one group, whose per-tensor norms it computes alike, less its grouping and moves
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
     if bool(torch.isfinite(norm)):
         return norm
     return sum_of_squares(grads, norm.device).sqrt()

@@ -17,6 +17,7 @@ import torch
 
 from accumkernels._torch_private import takes_grad_scale
 from accumkernels._util import LOW_PRECISION
+from accumkernels.backends.native import grads_are
 from accumkernels.optim import fused_master, protocol
 from accumkernels.optim.closure import closure_step
 from accumkernels.optim.nonfinite import grad_norm
@@ -42,6 +43,24 @@ def flat_norm(sync, views: list[torch.Tensor], outside: list[torch.Tensor]) -> t
     return sync.agree_norm(grad_norm(views + outside))
 
 
+def finite_flag(sync, flats: list[torch.Tensor], outside: list[torch.Tensor]) -> torch.Tensor:
+    """What the step needs of the window without clipping: whether it is finite. 0 if every
+    element of the flat buffers (the views, the stale ones zeroed by ``gather``, the zero
+    padding) and of the gradients outside the window is finite, else NaN, agreed over the ranks
+    as the norm is. One read pass: each buffer's sum, which is finite whenever every element is
+    but for an fp32 overflow of the sum itself; only a non-finite sum is looked at again,
+    element by element."""
+    tensors = [t for t in flats + outside if t.numel()]
+    if not tensors:
+        return sync.agree_norm(torch.zeros(()))
+    device = tensors[0].device
+    sums = torch.stack([t.sum(dtype=torch.float32).to(device) for t in tensors])
+    finite = bool(torch.isfinite(sums).all()) or all(bool(torch.isfinite(t).all())
+                                                     for t in tensors)
+    return sync.agree_norm(torch.zeros((), device=device) if finite
+                           else torch.full((), float("nan"), device=device))
+
+
 class Step:
     """A real step over the wrapper's rooms (``parts``) and the intake that fills the window.
 
@@ -58,6 +77,9 @@ class Step:
         self.intake = intake
         self.measure, self.can_fold = measure, can_fold
         self.last_grad_norm: torch.Tensor | None = None
+        # (master_weights=False with bf16/fp16 params: they get .grad in their dtype)
+        self._may_cast = not self.masters.enabled and any(
+            p.dtype in LOW_PRECISION for p in self.params)
         self._carry_scale: torch.Tensor | None = None
 
     def microbatch_ended(self, kept: bool) -> None:
@@ -166,8 +188,12 @@ class Step:
             window.normalise(target)
             factor = 1.0
         self.outside.scale(1.0 / (self.scaler.scale * target))
-        views = [v for v, held in zip(self.intake.views, window.held(self.params)) if held]
-        norm = self.measure(self.sync, views, outside)
+        if self.config.max_grad_norm is None and self.measure is flat_norm \
+                and getattr(self.sync, "stage_norm", None) is None:
+            norm = finite_flag(self.sync, list(window.storage.buffers.values()), outside)
+        else:
+            views = [v for v, held in zip(self.intake.views, window.held(self.params)) if held]
+            norm = self.measure(self.sync, views, outside)
         if not bool(torch.isfinite(norm)):
             return None
         if self.config.max_grad_norm is None:
@@ -310,6 +336,9 @@ class Step:
     def hand_grads(self) -> list[torch.Tensor]:
         """Give the window to the inner optimizer as ``.grad``; returns the params that got an
         own copy in their dtype (``master_weights=False`` with bf16/fp16 params)."""
+        if not self._may_cast and self.window.holds_all(map(id, self.params)) \
+                and grads_are(self.masters.targets(self.params), self.intake.views):
+            return []  # each param's (or its master's) .grad is its view already
         cast = []
         masters = self.masters.masters  # id(param) -> master
         for p, view, held in zip(self.params, self.intake.views, self.window.held(self.params)):

@@ -122,6 +122,10 @@ class Window:
             return True
         return False if touched.issuperset(ids) else None
 
+    def holds_all(self, ids: list[int]) -> bool:
+        """Whether every param of ``ids`` (their ``id``) holds data of this window."""
+        return self._touched.issuperset(ids)
+
     def touch_ids(self, ids: list[int]) -> None:
         """:meth:`touch` by the params' ``id``."""
         self._touched.update(ids)
@@ -209,7 +213,10 @@ class Window:
     def zero_untouched(self, params: list[torch.Tensor], views: list[torch.Tensor]) -> None:
         """Views without data of this window hold an earlier one's: zero them, so norms,
         reductions and ``p.main_grad`` see 0 (the first write of a window skips this pass)."""
-        stale = [v for p, v in zip(params, views) if id(p) not in self._touched]
+        touched = self._touched
+        if len(touched) >= len(params) and touched.issuperset(map(id, params)):
+            return  # (every view holds data of this window)
+        stale = [v for p, v in zip(params, views) if id(p) not in touched]
         if stale:
             torch._foreach_zero_(stale)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,12 +138,18 @@ def test_no_low_precision_grad_left_after_backward():
                                 accumulation_steps=N, bucket_size_mb=SMALL_BUCKET)
     seen = []  # dtypes autograd produced (the hooks see bf16: the check below is not vacuous)
     released = []  # during backward, when the first layer's grad arrives (it comes last) ...
+    later = [p for layer in (model[2], model[4]) for p in layer.parameters()]
+    arrived = []  # weak references to the later layers' bf16 gradients of this backward
 
     def first_layer_hook(g):
-        seen.append(g.dtype)  # ... the later layers' buckets are complete: moved and released
-        released.append(all(p.grad is None for layer in (model[2], model[4])
-                            for p in layer.parameters()))
+        seen.append(g.dtype)  # ... the later layers' buckets are complete: moved, and their
+        released.append(len(arrived) == len(later)  # bf16 gradients released; .grad shows
+                        and all(ref() is None for ref in arrived)  # the window or nothing
+                        and all(p.grad is None or p.grad.data_ptr() == p.main_grad.data_ptr()
+                                for p in later))
+        arrived.clear()
 
+    handles = [p.register_hook(lambda g: arrived.append(weakref.ref(g))) for p in later]
     h = model[0].weight.register_hook(first_layer_hook)
     for i, (x, y) in enumerate(batches(2 * N, 4, torch.bfloat16)):
         mse(model, x, y).backward()
@@ -150,6 +158,8 @@ def test_no_low_precision_grad_left_after_backward():
             assert p.grad.data_ptr() == p.main_grad.data_ptr()
         opt.step()
     h.remove()
+    for handle in handles:
+        handle.remove()
     assert seen == [torch.bfloat16] * (2 * N)
     assert released == [True] * (2 * N)
 
