@@ -1,6 +1,7 @@
 # make test  : create .venv, install torch (if none is importable), build, run the whole suite,
 #              then the short compatibility pass on each of COMPAT_TORCH (see compat below)
-# make bench : same setup, then the benchmarks (GPU if there is one, else CPU): kernels, step, train
+# make bench : same setup, then the benchmarks (GPU if there is one, else CPU): kernels, step, host,
+#              train
 # make compat TORCH=2.11.0 : the whole suite on another torch, in a venv of its own
 # make dist  : the sdist and the manylinux wheel in dist/ (make test also installs and checks both)
 PYTHON ?= python3
@@ -57,6 +58,7 @@ $(VENV)/.bench-deps: $(VENV)/.torch pyproject.toml
 bench: $(VENV)/.installed $(VENV)/.bench-deps
 	$(PY) -m benchmarks.accumbench $(BENCH_ARGS)
 	$(PY) -m benchmarks.accumbench step $(STEP_ARGS)
+	$(PY) -m benchmarks.accumbench host $(HOST_ARGS)
 	$(PY) -m benchmarks.accumbench train $(TRAIN_ARGS)
 
 clean:

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.accumbench [step|train]``: see suites.py, cli.py or ``--help``."""
+"""``python -m benchmarks.accumbench [step|train|host]``: see suites.py, cli.py or ``--help``."""
 
 from benchmarks.accumbench.suites import main
 

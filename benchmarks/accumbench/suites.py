@@ -1,8 +1,10 @@
-"""``python -m benchmarks.accumbench [step|train] ...``: which benchmark the command line runs.
+"""``python -m benchmarks.accumbench [step|train|host] ...``: which benchmark the command line
+runs.
 
 No suite name: the kernel benchmark (cli.py). ``step``: benchmarks/bench_step.py (the optimizer
 step against the inner optimizer's own); ``train``: benchmarks/bench_train.py (the end-to-end
-table). The rest of the arguments go to that suite (``step --help``).
+table); ``host``: benchmarks/bench_host.py (the host time the wrapper adds per micro-batch and
+per step). The rest of the arguments go to that suite (``step --help``).
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-SUITES = {"step": "benchmarks.bench_step", "train": "benchmarks.bench_train"}
+SUITES = {"step": "benchmarks.bench_step", "train": "benchmarks.bench_train",
+          "host": "benchmarks.bench_host"}
 
 
 def load_suite(name: str):
-    """The suite's module (``benchmarks.bench_step``, ``benchmarks.bench_train``)."""
+    """The suite's module (``benchmarks.bench_step``, ``benchmarks.bench_train``, ...)."""
     return importlib.import_module(SUITES[name])
 
 
