@@ -45,9 +45,10 @@ wrapper's step adds, pass by pass, as its code did when this was written (steppi
 nonfinite.py, masters.py; update ``model_passes`` when the step changes):
 
 * ``measure`` (finiteness and the clip norm, every wrapper row): read 4. The step measures the
-  window as it is at ``step()`` (``get_total_norm`` on the touched views, one read pass), since
-  writes through ``.data``, numpy or the storage change it without a flag or a version bump;
-  a window that overflows fp32 squares is read once more in float64 (not in these rows);
+  window as it is at ``step()`` (one read pass: with clipping the per-view norms of
+  ``get_total_norm``, without it the sum of each flat buffer), since writes through ``.data``,
+  numpy or the storage change it without a flag or a version bump; a window that overflows fp32
+  squares (or its sum) is read once more (not in these rows);
 * ``grad_scale`` (clipping, or ``mean`` when the step learns N, i.e. ``accumulation_steps=None``
   and more than one micro-batch): no pass of its own. The fused inner AdamW divides the
   gradients by its ``grad_scale`` (given 1 / (normalisation * clip coefficient)) in its own pass

@@ -232,12 +232,13 @@ PYBIND11_MODULE(_C, m) {
       "for LIST_STEP). False also when the tensor reader is off.");
   m.def(
       "metas_snapshot",
-      [](py::handle tensors) {
-        return py::bytes(ak::metas_snapshot(tensors.ptr()));
+      [](py::handle tensors, Py_ssize_t full) {
+        return py::bytes(ak::metas_snapshot(tensors.ptr(), full));
       },
-      py::arg("tensors"),
-      "One record of every tensor's metadata (address, numel, sizes, dtype, device, neg bit): "
-      "b'' when the reader is off or an entry is unreadable, non-contiguous or over 8-d.");
+      py::arg("tensors"), py::arg("full"),
+      "One record of the tensors' metadata: of the first `full` the address, numel, sizes, "
+      "dtype, device and neg bit, of the rest the address: b'' when the reader is off or an "
+      "entry is unreadable, or one of the first `full` non-contiguous or over 8-d.");
   m.def(
       "metas_same",
       [](py::handle tensors, const py::bytes& snapshot) {

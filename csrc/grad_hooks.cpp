@@ -10,11 +10,12 @@
 // * PreHook(intake_ref, i, param_ref, views, hidden): in a backward the fast case applies to
 //   (`intake._fast`, see fast_open), p.grad None: nothing; p.grad its view (views[i]): p.grad =
 //   None and i added to `hidden`. Otherwise `intake.before_grad(i, grad)`.
-// * PostHook(intake_ref, i, shown, views, hidden, masters, pending, flushed, bucket,
+// * PostHook(intake_ref, i, shown, views, hidden, master, pending, flushed, bucket,
 //   bucket_len): in such a backward, p.grad a gradient (not None, not the view): p.grad =
 //   shown[i], i dropped from `hidden`, p's master (if any) shows the view, the gradient held in
 //   `pending[bucket][i]` (added to one held already: reentrant checkpointing), and
-//   `intake.launch_held(bucket, pend)` once the bucket is complete. Otherwise
+//   `intake.launch_held(bucket, pend)` once the bucket is complete (launch_held, or the end of
+//   the backward finding gradients held, counts the backward as a micro-batch). Otherwise
 //   `intake.after_grad(i, p)`.
 // The fast case is set per backward by Intake._begin: the views shown as the hooks go, no
 // create_graph (grad mode off inside the backward), no DDP, no per-micro-batch check; inside
@@ -32,7 +33,6 @@ namespace {
 
 PyObject* s_grad = nullptr;
 PyObject* s_fast = nullptr;
-PyObject* s_got_grad = nullptr;
 PyObject* s_before_grad = nullptr;
 PyObject* s_after_grad = nullptr;
 PyObject* s_launch_held = nullptr;
@@ -189,7 +189,7 @@ struct PostHook {
   PyObject* shown;  // per param what p.grad shows once its gradient is held (a list, in place)
   PyObject* views;  // the intake's views (a list it updates in place)
   PyObject* hidden;
-  PyObject* masters;  // id(param) -> master weight (the MasterWeights dict, only ever grows)
+  PyObject* master;  // p's fp32 master weight, or None (a master object is never replaced)
   PyObject* pending;  // bucket -> {param index: held gradient} (the intake's, cleared in place)
   PyObject* flushed;  // bucket -> params moved early (the intake's, cleared in place)
   PyObject* bucket;   // p's bucket index as a Python int
@@ -206,30 +206,21 @@ int post_fast(PostHook* self, PyObject* intake, PyObject* param) {
   if (g == nullptr) return -1;
   int done = 0;
   PyObject* shown = nullptr;  // borrowed
-  PyObject* master = nullptr;
   PyObject* pend = nullptr;
   // None: p frozen since the forward (autograd stored nothing); the view: not hidden. Python's
   if (g == Py_None || g == view) goto out;  // cases, as every gradient in a bucket of the fast
   // path's first launch (a sparse one is refused there, in Intake.launch_held)
   // from here on the fast case is taken: nothing below may decline
   shown = item(self->shown, self->i);
-  if (shown == nullptr || PyObject_SetAttr(intake, s_got_grad, Py_True) != 0 ||
-      PyObject_SetAttr(param, s_grad, shown) != 0 || PySet_Discard(self->hidden, self->index) < 0)
+  if (shown == nullptr || PyObject_SetAttr(param, s_grad, shown) != 0 ||
+      PySet_Discard(self->hidden, self->index) < 0)
     goto fail;
-  if (PyDict_GET_SIZE(self->masters) > 0) {
-    PyObject* key = PyLong_FromVoidPtr(param);
-    if (key == nullptr) goto fail;
-    master = PyDict_GetItemWithError(self->masters, key);  // borrowed
-    Py_DECREF(key);
-    if (master == nullptr && PyErr_Occurred()) goto fail;
-    if (master != nullptr) {
-      Py_INCREF(master);
-      PyObject* mg = PyObject_GetAttr(master, s_grad);
-      if (mg == nullptr) goto fail;
-      const bool same = mg == view;
-      Py_DECREF(mg);
-      if (!same && PyObject_SetAttr(master, s_grad, view) != 0) goto fail;
-    }
+  if (self->master != Py_None) {
+    PyObject* mg = PyObject_GetAttr(self->master, s_grad);
+    if (mg == nullptr) goto fail;
+    const bool same = mg == view;
+    Py_DECREF(mg);
+    if (!same && PyObject_SetAttr(self->master, s_grad, view) != 0) goto fail;
   }
   pend = PyDict_GetItemWithError(self->pending, self->bucket);  // borrowed
   if (pend == nullptr) {
@@ -273,7 +264,6 @@ fail:
   done = -1;
 out:
   Py_XDECREF(pend);
-  Py_XDECREF(master);
   Py_DECREF(g);
   return done;
 }
@@ -305,12 +295,12 @@ PyObject* post_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
 
 int post_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<PostHook*>(obj);
-  PyObject *intake_ref, *index, *shown, *views, *hidden, *masters, *pending, *flushed, *bucket;
+  PyObject *intake_ref, *index, *shown, *views, *hidden, *master, *pending, *flushed, *bucket;
   Py_ssize_t bucket_len;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!n", &_PyWeakref_RefType, &intake_ref,
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!O!O!n", &_PyWeakref_RefType, &intake_ref,
                         &PyLong_Type, &index, &PyList_Type, &shown, &PyList_Type, &views,
-                        &PySet_Type, &hidden, &PyDict_Type, &masters, &PyDict_Type, &pending,
-                        &PyDict_Type, &flushed, &PyLong_Type, &bucket, &bucket_len))
+                        &PySet_Type, &hidden, &master, &PyDict_Type, &pending, &PyDict_Type,
+                        &flushed, &PyLong_Type, &bucket, &bucket_len))
     return -1;
   self->i = PyLong_AsSsize_t(index);
   if (self->i < 0) {
@@ -323,7 +313,7 @@ int post_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   Py_XSETREF(self->shown, Py_NewRef(shown));
   Py_XSETREF(self->views, Py_NewRef(views));
   Py_XSETREF(self->hidden, Py_NewRef(hidden));
-  Py_XSETREF(self->masters, Py_NewRef(masters));
+  Py_XSETREF(self->master, Py_NewRef(master));
   Py_XSETREF(self->pending, Py_NewRef(pending));
   Py_XSETREF(self->flushed, Py_NewRef(flushed));
   Py_XSETREF(self->bucket, Py_NewRef(bucket));
@@ -339,7 +329,7 @@ void post_dealloc(PyObject* obj) {
   Py_CLEAR(self->shown);
   Py_CLEAR(self->views);
   Py_CLEAR(self->hidden);
-  Py_CLEAR(self->masters);
+  Py_CLEAR(self->master);
   Py_CLEAR(self->pending);
   Py_CLEAR(self->flushed);
   Py_CLEAR(self->bucket);
@@ -385,10 +375,9 @@ int grads_are(PyObject* params, PyObject* views) {
 
 void bind_grad_hooks(pybind11::module_& m) {
   namespace py = pybind11;
-  const char* names[] = {"grad", "_fast", "_got_grad", "before_grad", "after_grad",
-                         "launch_held", "add_"};
-  PyObject** slots[] = {&s_grad, &s_fast, &s_got_grad, &s_before_grad, &s_after_grad,
-                        &s_launch_held, &s_add_};
+  const char* names[] = {"grad", "_fast", "before_grad", "after_grad", "launch_held", "add_"};
+  PyObject** slots[] = {&s_grad, &s_fast, &s_before_grad, &s_after_grad, &s_launch_held,
+                        &s_add_};
   for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); ++k) {
     *slots[k] = PyUnicode_InternFromString(names[k]);
     if (*slots[k] == nullptr) throw py::error_already_set();

@@ -71,25 +71,40 @@ bool record_of(PyObject* t, int64_t* out) {
 
 }  // namespace
 
-std::string metas_snapshot(PyObject* tensors) {
+// Entries from `full` on: their address only (one word, the rest 0).
+bool entry_of(PyObject* t, bool full, int64_t* out) {
+  if (full) return record_of(t, out);
+  uintptr_t data = 0;
+  if (!read_data_ptr(t, data)) return false;
+  std::memset(out, 0, kRecordWords * sizeof(int64_t));
+  out[0] = static_cast<int64_t>(data);
+  return true;
+}
+
+std::string metas_snapshot(PyObject* tensors, Py_ssize_t full) {
   if (!torch_api_ready() || !PyList_Check(tensors)) return {};
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
-  std::string snap(static_cast<size_t>(n) * kRecordWords * sizeof(int64_t), '\0');
+  std::string snap(static_cast<size_t>(n) * kRecordWords * sizeof(int64_t) + sizeof(int64_t),
+                   '\0');
   auto* words = reinterpret_cast<int64_t*>(snap.data());
+  words[0] = full;  // (a record is compared with the same split only)
   for (Py_ssize_t i = 0; i < n; ++i)
-    if (!record_of(PyList_GET_ITEM(tensors, i), words + i * kRecordWords)) return {};
+    if (!entry_of(PyList_GET_ITEM(tensors, i), i < full, words + 1 + i * kRecordWords)) return {};
   return snap;
 }
 
 bool metas_same(PyObject* tensors, const std::string& snapshot) {
   if (snapshot.empty() || !torch_api_ready() || !PyList_Check(tensors)) return false;
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
-  if (snapshot.size() != static_cast<size_t>(n) * kRecordWords * sizeof(int64_t)) return false;
+  if (snapshot.size() != static_cast<size_t>(n) * kRecordWords * sizeof(int64_t) +
+                             sizeof(int64_t))
+    return false;
   const auto* want = reinterpret_cast<const int64_t*>(snapshot.data());
+  const int64_t full = want[0];
   int64_t now[kRecordWords];
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!record_of(PyList_GET_ITEM(tensors, i), now) ||
-        std::memcmp(now, want + i * kRecordWords, sizeof now) != 0)
+    if (!entry_of(PyList_GET_ITEM(tensors, i), i < full, now) ||
+        std::memcmp(now, want + 1 + i * kRecordWords, sizeof now) != 0)
       return false;
   }
   return true;

@@ -77,12 +77,13 @@ enum ListKind : long { kListFp32 = 0, kListLow = 1, kListStep = 2 };
 // False when anything is not (or cannot be read): the caller then applies its own rules.
 bool lists_plain(PyObject* lists, PyObject* kinds);
 
-// The metadata of every tensor of `tensors` (a list) as one record: address, numel, sizes,
-// dtype, device, contiguity, neg bit (list_meta.cpp). Empty when the reader is off or when an
-// entry cannot be read or is not contiguous (strides are not recorded), or has over
-// kSnapshotDims dims: then nothing can be compared and the caller checks in Python.
+// The metadata of the tensors of `tensors` (a list) as one record (list_meta.cpp): of the first
+// `full` the address, numel, sizes, dtype, device, contiguity and neg bit; of the rest the
+// address only. Empty when the reader is off or when an entry cannot be read, or one of the
+// first `full` is not contiguous (strides are not recorded) or has over kSnapshotDims dims:
+// then nothing can be compared and the caller checks in Python.
 constexpr int64_t kSnapshotDims = 8;
-std::string metas_snapshot(PyObject* tensors);
+std::string metas_snapshot(PyObject* tensors, Py_ssize_t full);
 // Whether `tensors` reads now exactly as `snapshot` recorded them (false for an empty one).
 bool metas_same(PyObject* tensors, const std::string& snapshot);
 

@@ -181,13 +181,15 @@ _metas_snapshot = getattr(_C, "metas_snapshot", None)
 _metas_same = getattr(_C, "metas_same", None)
 
 
-def metas_snapshot(tensors: list) -> bytes:
-    """Every tensor's metadata as the tensor reader reads it (address, numel, sizes, dtype,
-    device, neg bit), one record: ``b""`` (compares equal to nothing) when the reader is off or
-    an entry is unreadable, not contiguous or of over 8 dims (csrc/list_meta.cpp)."""
+def metas_snapshot(tensors: list, full: int | None = None) -> bytes:
+    """The tensors' metadata as the tensor reader reads it, one record: of the first ``full``
+    (default: all) the address, numel, sizes, dtype, device and neg bit, of the rest the
+    address only. ``b""`` (compares equal to nothing) when the reader is off or an entry is
+    unreadable, or one of the first ``full`` is not contiguous or of over 8 dims
+    (csrc/list_meta.cpp)."""
     if not READER or _metas_snapshot is None:
         return b""
-    return _metas_snapshot(tensors)
+    return _metas_snapshot(tensors, len(tensors) if full is None else full)
 
 
 def metas_same(tensors: list, snapshot: bytes) -> bool:
@@ -197,10 +199,9 @@ def metas_same(tensors: list, snapshot: bytes) -> bool:
 
 
 def grad_hook_types() -> tuple[type, type] | None:
-    """The intake's hooks as C callables (``_C.PreHook``, ``_C.PostHook``), or None where the
-    extension lacks them; ``ACCUMKERNELS_PYTHON_HOOKS=1`` asks for the Python ones."""
-    if _C is None or not hasattr(_C, "PreHook") or \
-            os.environ.get("ACCUMKERNELS_PYTHON_HOOKS", "") not in ("", "0"):
+    """The intake's hooks as C callables (``_C.PreHook``, ``_C.PostHook``,
+    csrc/grad_hooks.cpp), or None where the extension lacks them."""
+    if _C is None or not hasattr(_C, "PreHook"):
         return None
     return _C.PreHook, _C.PostHook
 

@@ -79,7 +79,7 @@ class Guard:
             return
         self._check_layouts()
         if self.intake.guard is self:  # (a followed move made a new guard: it records its own)
-            self._record = metas_snapshot(watched)
+            self._record = metas_snapshot(watched, len(self.dtypes))  # (views: their address)
 
     def refuse_layout(self, i: int, grad: torch.Tensor) -> None:
         """Param i got a sparse (non-strided) gradient: the window holds dense ones only."""
@@ -225,6 +225,7 @@ FORGOTTEN_LINE = (
     "accumkernels.integrations.pipelining.accumulate_weight_passes(stages), and start the "
     "training again")
 _PIPELINING = "torch/distributed/pipelining/"
+_PIPELINING_MODULE = "torch.distributed.pipelining"
 
 
 def pipeline_weight_pass() -> bool:
@@ -232,6 +233,8 @@ def pipeline_weight_pass() -> bool:
     ``backward_weight_one_chunk`` on a thread's stack: the hooks may run on an autograd device
     thread, the schedule on the caller's). One walk per thread, once per backward, made only
     outside ``weight_pass()``."""
+    if _PIPELINING_MODULE not in sys.modules:
+        return False  # (its code cannot be running before the module is imported)
     for frame in sys._current_frames().values():
         while frame is not None:
             code = frame.f_code

@@ -337,6 +337,8 @@ class Intake:
         pending = dict(self.pending)
         self.pending.clear()
         self.flushed.clear()
+        if pending:
+            self._got_grad = True  # (the C post hook holds gradients without saying so)
         early, saved = self.front.end()
         kept = True
         if pending or early:
@@ -371,6 +373,9 @@ class Intake:
 
     # -- moving gradients ----------------------------------------------------------------------
     def launch_held(self, index: int, pend: dict[int, torch.Tensor]) -> None:
+        """Move the gradients held for bucket ``index`` (``pend``: param index -> gradient) of
+        this backward, which is a micro-batch from here on."""
+        self._got_grad = True
         params = self.params
         whole = len(pend) == self.bucket_len[index]
         try:

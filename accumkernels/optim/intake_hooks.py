@@ -43,7 +43,7 @@ def install_hooks(intake, params: list[torch.Tensor], outside) -> list:
             pre = pre_type(me, i, weakref.ref(p), intake.views, intake.hidden)
             # (with the user's hooks the Python one: front_grad's early moves are its to count)
             post = _post_hook(me, i) if user_hooks else post_type(
-                me, i, intake.showable, intake.views, intake.hidden, intake.masters.masters,
+                me, i, intake.showable, intake.views, intake.hidden, intake.masters.get(p),
                 intake.pending, intake.flushed, intake.bucket_index[i],
                 intake.bucket_len[intake.bucket_index[i]])
         else:

@@ -206,6 +206,14 @@ def test_metas_record_sees_every_change():
     ts[0] = ts[0].t()
     assert native.metas_snapshot(ts) == b""  # (strides are not recorded: not contiguous)
     assert not native.metas_same(ts, b"")
+    ts = fresh()  # the last ones by their address only: their other changes are not seen
+    record = native.metas_snapshot(ts, full=2)
+    assert record and native.metas_same(ts, record)
+    ts[2].data = ts[2].data.view(4)  # (same address)
+    assert native.metas_same(ts, record)
+    ts[2].data = torch.zeros(2, 2)
+    assert not native.metas_same(ts, record)
+    assert not native.metas_same(ts[:2], record)
 
 
 def test_grads_are():
