@@ -150,7 +150,9 @@ def train(case: dict, wrap: bool) -> list[dict]:
             ctx = net.no_sync() if not sync else _null()
             report = wrap and weighted and not (acts == "missing-weight" and at_odd)
             with ctx:
-                loss = F.mse_loss(net(x), y, reduction="sum" if weighted else "mean")
+                # (in fp32: torch 2.11 cannot backward mse_loss of a bf16 output (fsdp2-mp)
+                # against an fp32 target, natively too)
+                loss = F.mse_loss(net(x).float(), y, reduction="sum" if weighted else "mean")
                 if case["nonfinite"] != "none" and (w, i) == NAN_AT and dist.get_rank() == 0:
                     loss = loss * float("nan")
                 if acts == "zero-weight" and at_odd:
