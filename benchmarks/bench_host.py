@@ -24,6 +24,9 @@ on the same data; AdamW(lr=1e-3, fused=True) everywhere:
 * ``native_clip``: as ``native``, the step preceded by ``clip_grad_norm_(params, 1.0)``;
 * ``floor``: as ``native`` plus one no-op ``register_post_accumulate_grad_hook`` per param, the
   floor of any per-param-hook design (its backward only);
+* ``floor_pre_post``: as ``native`` plus a no-op tensor pre-hook (``register_hook``) and a
+  no-op post-accumulate-grad hook per param: the floor of a design with both, as the wrapper's
+  intake (which must hide the window before AccumulateGrad and take the gradient after it);
 * ``wrapper_fp32``, ``wrapper_fp32_clip`` (``max_grad_norm=1.0``), ``wrapper_bf16`` (the bf16
   model; fp32 master weights by default): ``AccumulatingOptimizer`` around fused AdamW,
   ``accumulation_steps=None`` (``step()`` ends the window).
@@ -40,7 +43,7 @@ box; CPU only, since on a GPU the backward runs on autograd's device thread). Bo
 On a GPU the device is synchronised before each timed call and after it, outside the timing, so
 the figure is host time; CUDA events around the call give the device time beside it.
 
-After the timing the params are compared: ``wrapper_fp32`` and ``floor`` with ``native``,
+After the timing the params are compared: ``wrapper_fp32`` and the floors with ``native``,
 exactly (the same fp32 sums in the same order, the same fused AdamW). ``wrapper_fp32_clip`` and
 ``native_clip`` apply the clip coefficient differently (AdamW's ``grad_scale`` divides by its
 inverse; ``clip_grad_norm_`` multiplies): an ulp apart per step, a gap that training on fixed
@@ -104,7 +107,8 @@ class RowSpec:
     with (names of other rows; None where the row has no such column)."""
 
     name: str
-    kind: str  # native | masters (native bf16 + fp32 masters) | clip | floor | wrapper
+    kind: str  # native | masters (native bf16 + fp32 masters) | clip | floor | floor_pre_post
+    # | wrapper
     dtype: str
     backward_ref: str | None
     step_ref: str | None
@@ -119,6 +123,7 @@ ROW_SPECS = (
     RowSpec("native_bf16", "masters", "bf16", "native_bf16", "native_bf16"),
     RowSpec("native_clip", "clip", "fp32", None, "native"),
     RowSpec("floor", "floor", "fp32", "native", None, verify_ref="native"),
+    RowSpec("floor_pre_post", "floor_pre_post", "fp32", "native", None, verify_ref="native"),
     RowSpec("wrapper_fp32", "wrapper", "fp32", "native", "native", verify_ref="native"),
     RowSpec("wrapper_fp32_clip", "wrapper", "fp32", "native", "native",
             {"max_grad_norm": MAX_NORM}, step_also_ref="native_clip", verify_ref="native_clip",
@@ -188,9 +193,11 @@ class Row:
                 inner = torch.optim.AdamW(self.params, lr=LR, fused=True)
                 self.opt = (accumkernels.AccumulatingOptimizer(inner, **spec.options)
                             if spec.kind == "wrapper" else inner)
-            if spec.kind == "floor":
+            if spec.kind in ("floor", "floor_pre_post"):
                 self.handles = [p.register_post_accumulate_grad_hook(_no_op)
                                 for p in self.params]
+            if spec.kind == "floor_pre_post":
+                self.handles += [p.register_hook(_no_op) for p in self.params]
         except Exception as exc:  # noqa: BLE001 - recorded in the row, the others go on
             self.error = _error(exc)
 

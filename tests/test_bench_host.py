@@ -22,11 +22,12 @@ if str(REPO_ROOT) not in sys.path:  # the package benchmarks/ sits at the reposi
 from benchmarks import bench_host
 from benchmarks.accumbench import host_report, suites
 
-ROW_NAMES = ["native", "native_bf16", "native_clip", "floor", "wrapper_fp32",
+ROW_NAMES = ["native", "native_bf16", "native_clip", "floor", "floor_pre_post", "wrapper_fp32",
              "wrapper_fp32_clip", "wrapper_bf16"]
 # the reference of each row's backward and step columns (None: no such column)
 REFS = {"native": ("native", "native"), "native_bf16": ("native_bf16", "native_bf16"),
         "native_clip": (None, "native"), "floor": ("native", None),
+        "floor_pre_post": ("native", None),
         "wrapper_fp32": ("native", "native"), "wrapper_fp32_clip": ("native", "native"),
         "wrapper_bf16": ("native_bf16", "native_bf16")}
 N_PARAMS = 148
@@ -114,6 +115,8 @@ def test_params_check(quick):
     assert fp32["verify_ref"] == "native" and fp32["criterion"].startswith("exact")
     assert fp32["verified"] is True and fp32["max_abs_diff"] == 0.0
     assert rows["floor"]["verified"] is True and rows["floor"]["max_abs_diff"] == 0.0
+    assert rows["floor_pre_post"]["verified"] is True
+    assert rows["floor_pre_post"]["max_abs_diff"] == 0.0
     clip = rows["wrapper_fp32_clip"]
     assert clip["verify_ref"] == "native_clip" and clip["verified"] is True
     assert clip["max_abs_diff"] <= 1e-6 and "one window" in clip["criterion"]
