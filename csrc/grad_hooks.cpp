@@ -62,6 +62,34 @@ int fast_open(PyObject* intake) {
   return open;
 }
 
+// ---- shared by both hooks --------------------------------------------------------------------
+// Whether a vectorcall got exactly one positional argument (else a TypeError naming `what`).
+bool one_argument(size_t nargsf, PyObject* kwnames, const char* what) {
+  if (PyVectorcall_NARGS(nargsf) == 1 && kwnames == nullptr) return true;
+  PyErr_Format(PyExc_TypeError, "%s takes one argument", what);
+  return false;
+}
+
+// The end of a hook's call: `done` from its fast case (1 done, 0 declined, -1 error); declined,
+// the intake's Python `method(index, arg)` does it. Releases `intake`; None, or nullptr on error.
+PyObject* finish(int done, PyObject* intake, PyObject* method, PyObject* index, PyObject* arg) {
+  if (done == 0) {
+    PyObject* r = PyObject_CallMethodObjArgs(intake, method, index, arg, nullptr);
+    done = r == nullptr ? -1 : 1;
+    Py_XDECREF(r);
+  }
+  Py_DECREF(intake);
+  if (done < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// The param index of a hook (a non-negative int), or -1 with an exception.
+Py_ssize_t index_of(PyObject* index) {
+  const Py_ssize_t i = PyLong_AsSsize_t(index);
+  if (i < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative param index");
+  return i;
+}
+
 // ---- PreHook -------------------------------------------------------------------------------
 struct PreHook {
   PyObject_HEAD
@@ -109,26 +137,10 @@ int pre_fast(PreHook* self, PyObject* intake) {
 
 PyObject* pre_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* self = reinterpret_cast<PreHook*>(obj);
-  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
-    PyErr_SetString(PyExc_TypeError, "PreHook takes one argument (the gradient)");
-    return nullptr;
-  }
-  PyObject* grad = args[0];
+  if (!one_argument(nargsf, kwnames, "PreHook (the gradient)")) return nullptr;
   PyObject* intake = deref(self->intake_ref);
   if (intake == nullptr) Py_RETURN_NONE;
-  const int done = pre_fast(self, intake);
-  PyObject* out = nullptr;
-  if (done == 1) {
-    out = Py_NewRef(Py_None);
-  } else if (done == 0) {
-    PyObject* r = PyObject_CallMethodObjArgs(intake, s_before_grad, self->index, grad, nullptr);
-    if (r != nullptr) {
-      Py_DECREF(r);
-      out = Py_NewRef(Py_None);
-    }
-  }
-  Py_DECREF(intake);
-  return out;
+  return finish(pre_fast(self, intake), intake, s_before_grad, self->index, args[0]);
 }
 
 int pre_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
@@ -138,11 +150,8 @@ int pre_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
                         &index, &_PyWeakref_RefType, &param_ref, &PyList_Type, &views,
                         &PySet_Type, &hidden))
     return -1;
-  self->i = PyLong_AsSsize_t(index);
-  if (self->i < 0) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative param index");
-    return -1;
-  }
+  self->i = index_of(index);
+  if (self->i < 0) return -1;
   self->vectorcall = pre_vectorcall;
   Py_XSETREF(self->intake_ref, Py_NewRef(intake_ref));
   Py_XSETREF(self->index, Py_NewRef(index));
@@ -271,26 +280,10 @@ out:
 PyObject* post_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
                           PyObject* kwnames) {
   auto* self = reinterpret_cast<PostHook*>(obj);
-  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
-    PyErr_SetString(PyExc_TypeError, "PostHook takes one argument (the param)");
-    return nullptr;
-  }
-  PyObject* param = args[0];
+  if (!one_argument(nargsf, kwnames, "PostHook (the param)")) return nullptr;
   PyObject* intake = deref(self->intake_ref);
   if (intake == nullptr) Py_RETURN_NONE;
-  const int done = post_fast(self, intake, param);
-  PyObject* out = nullptr;
-  if (done == 1) {
-    out = Py_NewRef(Py_None);
-  } else if (done == 0) {
-    PyObject* r = PyObject_CallMethodObjArgs(intake, s_after_grad, self->index, param, nullptr);
-    if (r != nullptr) {
-      Py_DECREF(r);
-      out = Py_NewRef(Py_None);
-    }
-  }
-  Py_DECREF(intake);
-  return out;
+  return finish(post_fast(self, intake, args[0]), intake, s_after_grad, self->index, args[0]);
 }
 
 int post_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
@@ -302,11 +295,8 @@ int post_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
                         &PySet_Type, &hidden, &master, &PyDict_Type, &pending, &PyDict_Type,
                         &flushed, &PyLong_Type, &bucket, &bucket_len))
     return -1;
-  self->i = PyLong_AsSsize_t(index);
-  if (self->i < 0) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative param index");
-    return -1;
-  }
+  self->i = index_of(index);
+  if (self->i < 0) return -1;
   self->vectorcall = post_vectorcall;
   Py_XSETREF(self->intake_ref, Py_NewRef(intake_ref));
   Py_XSETREF(self->index, Py_NewRef(index));
