@@ -29,6 +29,9 @@
 #   tune      env, build with each vector store (stwb, ptx) and time both; the Triton knob sweep;
 #             the SASS both kernels compile to on this machine
 #   train     env, build, benchmarks/bench_train.py (GPT-2 small) and find_micro_batch_size
+#   host      env, build, the host-time table (benchmarks/bench_host.py): the wrapper's host time
+#             per micro-batch and per step on 148 tiny params, and whether the host or the device
+#             bounds a GPT-2-124M bf16 backward and step at batch 1 and 8 (CUDA events)
 #   sanitize  env, build, the four compute-sanitizer tools with more time, memcheck twice
 #   master    env, build, the fused master step on the GPU: its cuda and triton backends against
 #             torch's own fused CUDA Adam/AdamW/SGD + cast, bit for bit
@@ -418,6 +421,11 @@ main() {
         --out "$OUT/find-batch-$SLUG-$DATE.json"
       keep "$OUT/train-$SLUG-$DATE.json" "$OUT/find-batch-$SLUG-$DATE.json"
       ;;
+    host)
+      stage build 240 stage_build stwb
+      stage bench-host 240 "$PY" -m benchmarks.accumbench host --out "$OUT/host-time-$SLUG-$DATE.json"
+      keep "$OUT/host-time-$SLUG-$DATE.json"
+      ;;
     sanitize)
       stage build 240 stage_build stwb
       run_sanitizers 110
@@ -432,7 +440,7 @@ main() {
       keep "$OUT/step-$SLUG-$DATE-fused-master.json"
       ;;
     *)
-      echo "unknown mode $MODE (first, all, check, bench, tune, train, sanitize, master)"
+      echo "unknown mode $MODE (first, all, check, bench, tune, train, host, sanitize, master)"
       ;;
   esac
   summary
