@@ -283,6 +283,9 @@ class ShardedLayout:
     param's local shard, FSDP2's hooks as intake, the mesh as sync, the DTensor norm."""
 
     can_fold = False  # the window's factors stay explicit passes over the DTensor shards
+    # "mean" with N given is normalised only at the step here: 1/N stays fused into every add,
+    # so p.grad shows the final mean once the N-th backward is in (window.py)
+    fuses_inexact_mean = True
     measure = staticmethod(mesh_norm)
     checkpoint = fsdp2_checkpoint
 

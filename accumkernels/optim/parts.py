@@ -61,6 +61,9 @@ class FlatLayout:
     ``process_group`` or DDP synchronisation, the norm as ``clip_grad_norm_`` measures it."""
 
     can_fold = True
+    # "mean" with N given: the window is normalised once its N-th backward is in (seal,
+    # process_group, DDP), so 1/N is fused into the adds only where it is exact (window.py)
+    fuses_inexact_mean = False
     measure = staticmethod(flat_norm)
     checkpoint = checkpoint
 
@@ -96,7 +99,7 @@ def build_rooms(parts: Parts, layout, params: list[torch.Tensor], events, proces
     config = parts.config
     storage = layout.storage(params, config)
     if parts.window is None:
-        window = Window(config, storage)
+        window = Window(config, storage, fuse_inexact_mean=layout.fuses_inexact_mean)
         # the sync first: a process_group that does not hold replicas is refused on every rank
         # before any of the rooms changes, and its broadcast precedes the master copies
         parts.sync = layout.sync(config, process_group, None, window, params)

@@ -25,7 +25,8 @@ class Window:
     * ``weights``: what ``add_weight`` reported, in order; ``dropped``: indices of dropped
       micro-batches (their weights do not count);
     * ``divisor``: the storage holds ``sum(g) / divisor`` (1/N is fused up front for
-      ``reduction="mean"`` with a known N);
+      ``reduction="mean"`` with a known N that is a power of two, where it is exact, or any N
+      where the layout normalises only at the step: FSDP2);
     * ``boundary_only``: learned from the ``step()`` calls the wrapper receives, kept across
       windows: None until the first ``step()`` on a non-empty window; True if that one came
       on a complete window (Trainer-style caller: it also ends a short last window with
@@ -44,8 +45,9 @@ class Window:
     sharded window: anything with ``buffers`` (device -> flat fp32 tensor) and ``view(p)``.
     """
 
-    def __init__(self, config: Config, storage):
+    def __init__(self, config: Config, storage, *, fuse_inexact_mean: bool = False):
         self._n = config.accumulation_steps
+        self._fuse_inexact_mean = fuse_inexact_mean
         self._mean = config.reduction == "mean"
         self._reduction = config.reduction
         self.storage = storage
@@ -58,7 +60,13 @@ class Window:
         self._touched: set[int] = set()
         self.weights: list[float] = []
         self.dropped: set[int] = set()
-        self.divisor = float(self._n) if (self._mean and self._n) else 1.0
+        # "mean" with N given fuses 1/N into each add only where it is exact (N a power of two):
+        # any other 1/N rounds every term, and a sum that cancels exactly natively (g + -g)
+        # would leave that rounding where native has 0; then the sum is divided once, when the
+        # N-th backward is in. (A layout that normalises only at the step fuses any 1/N.)
+        n = self._n
+        fuse = self._mean and n and (n & (n - 1) == 0 or self._fuse_inexact_mean)
+        self.divisor = float(n) if fuse else 1.0
         self.carried_only = False
         self.carry_scale: torch.Tensor | float | None = None
 
@@ -151,7 +159,8 @@ class Window:
         return sum(w for i, w in enumerate(self.weights) if i not in self.dropped)
 
     def prescale(self, loss_scale: float) -> float:
-        """The scale fused into each launch: unscale the loss, 1/N for 'mean' with known N."""
+        """The scale fused into each launch: unscale the loss, 1/N for 'mean' with a known N
+        (a power of two)."""
         return (1.0 / loss_scale) / self.divisor
 
     def keeps_on_clear(self) -> bool:

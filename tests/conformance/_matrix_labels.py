@@ -50,15 +50,6 @@ BUGS["new-1"] = ("process_group: a user's clip_grad_norm_ before step() sees the
                  "before its average over the ranks (norm x world)")
 
 
-# found by the extended matrix (issue 49's axes), failing at f98d356 as on main; filed in the
-# session's closing note, cause not yet found
-BUGS["new-2"] = ("bf16 with masters x reduction='mean' x N given (step() every micro-batch): "
-                 "after the first AdamW (foreach) or Rprop step a master differs by about one "
-                 "bf16 ulp (1.2e-3 relative, s110) although the masters agree before the step "
-                 "and the gradients handed to the inner optimizer agree within one fp32 ulp; "
-                 "sum, weighted, N=None and fp32 agree")
-
-
 def labels_multi(case: dict) -> list[str]:
     """The known bugs a multi-process case's values reach."""
     out = []

@@ -315,3 +315,39 @@ def test_backward_after_complete_window_keeps_accumulating_like_native(in_backwa
     ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n", [3, 4, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mean_keeps_a_sum_that_cancels_exactly(n, dtype):
+    """``reduction="mean"`` with N given: micro-batches whose gradients cancel exactly (a loss,
+    then its negative) leave exactly 0, as native's ``sum / N`` does, whatever N (a 1/N fused
+    into each add rounds every term for N not a power of two and would leave that rounding);
+    Rprop, which steps by the sign alone, then moves exactly the params native moves."""
+    torch.manual_seed(1234 + n)
+    lin = torch.nn.Linear(D_IN, D_OUT).to(dtype)
+    ref = copy.deepcopy(lin)
+    opt = AccumulatingOptimizer(torch.optim.Rprop(lin.parameters(), foreach=False),
+                                accumulation_steps=n, reduction="mean")
+    masters = {id(p): p.detach().float().clone().requires_grad_() for p in ref.parameters()}
+    x = torch.randn(4, D_IN, dtype=dtype)
+    pairs = (n - 1) // 2  # (a loss, then its negative) x pairs; then the bias alone
+    for k in range(n):
+        for m in (lin, ref):
+            if k < 2 * pairs:
+                loss = m(x).float().pow(2).sum() * (1 if k % 2 == 0 else -1)
+            else:  # the weight gets no gradient: its sum over the window is exactly 0
+                loss = m.bias.float().sum()
+            loss.backward()
+    assert opt.sync_step
+    sums = {name: q.grad.float() for name, q in ref.named_parameters()}
+    assert torch.count_nonzero(sums["weight"]) == 0  # (native: the weight's gradients cancel)
+    assert torch.count_nonzero(lin.weight.grad) == 0, "the wrapper's mean left a rounding"
+    opt.step()
+    for name, q in ref.named_parameters():  # native: the fp32 sum / N on fp32 copies
+        master = masters[id(q)]
+        master.grad = sums[name] / n
+    torch.optim.Rprop(list(masters.values()), foreach=False).step()
+    for (name, p), q in zip(lin.named_parameters(), ref.parameters()):
+        want = masters[id(q)].detach().to(dtype)
+        assert torch.equal(p.detach(), want), name
