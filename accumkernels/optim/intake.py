@@ -240,7 +240,7 @@ class Intake:
 
     def before_grad(self, i: int, grad: torch.Tensor) -> None:
         """The tensor pre-hook: p's gradient of this backward comes next; hide p's view."""
-        if not self._active or (not self._deferred and self._end_ref() is None):
+        if self._starting():
             self._begin()
         p = self.params[i]
         g = p.grad
@@ -435,13 +435,11 @@ class Intake:
     def absorb_assigned(self) -> None:
         """A ``.grad`` the user assigned (not the view) is what p's gradient means now."""
         self.settle()
-        guard = self.guard
-        guard.check_backward()  # (dtype, device, layout, views: as check_all, in one pass)
+        self.guard.check_backward()  # (dtype, device, layout, views: as check_all, in one pass)
         if grads_are(self.params, self.views):
             return  # every .grad shows its view: nothing assigned, nothing cleared
-        guard = self.guard  # (a followed move made a new one)
-        if guard.shown:
-            guard.cleared_outside()
+        if self.guard.shown:  # (a followed move made a new guard: self.guard, read again)
+            self.guard.cleared_outside()
         for p, view in zip(self.params, self.views):
             g = p.grad
             if g is not None and g is not view:

@@ -42,12 +42,12 @@ def install_hooks(intake, params: list[torch.Tensor], outside) -> list:
             pre_type, post_type = C_HOOKS
             pre = pre_type(me, i, weakref.ref(p), intake.views, intake.hidden)
             # (with the user's hooks the Python one: front_grad's early moves are its to count)
-            post = _post_hook(me, i) if user_hooks else post_type(
+            post = _calling(me, "after_grad", i) if user_hooks else post_type(
                 me, i, intake.showable, intake.views, intake.hidden, intake.masters.get(p),
                 intake.pending, intake.flushed, intake.bucket_index[i],
                 intake.bucket_len[intake.bucket_index[i]])
         else:
-            pre, post = _pre_hook(me, i), _post_hook(me, i)
+            pre, post = _calling(me, "before_grad", i), _calling(me, "after_grad", i)
         handles.append(p.register_hook(pre))
         if user_hooks:
             front = p.register_post_accumulate_grad_hook(_front_hook(me, i))
@@ -59,11 +59,12 @@ def install_hooks(intake, params: list[torch.Tensor], outside) -> list:
     return handles
 
 
-def _pre_hook(intake_ref, i: int):
-    def hook(grad):
+def _calling(intake_ref, method: str, i: int):
+    """The Python pre or post hook: ``intake.<method>(i, grad or param)``."""
+    def hook(arg):
         intake = intake_ref()
         if intake is not None:
-            intake.before_grad(i, grad)
+            getattr(intake, method)(i, arg)
     return hook
 
 
@@ -80,12 +81,4 @@ def _front_hook(intake_ref, i: int):
         intake = intake_ref()
         if intake is not None:
             intake.front.front_grad(i)
-    return hook
-
-
-def _post_hook(intake_ref, i: int):
-    def hook(param):
-        intake = intake_ref()
-        if intake is not None:
-            intake.after_grad(i, param)
     return hook

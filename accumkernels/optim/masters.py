@@ -40,7 +40,7 @@ class MasterWeights:
         self.enabled = enabled
         self.masters: dict[int, torch.nn.Parameter] = {}
         self.model_params: list[torch.Tensor] = []  # in registration order, those with masters
-        self._targets = None  # (key, params, targets) of the last targets() call
+        self._targets = None  # (masters count, params, targets) of the last targets() call
 
     def retarget(self, params: list[torch.Tensor]) -> None:
         """fp32 copies of the low-precision ``params``. The inner optimizer keeps the model
@@ -65,11 +65,11 @@ class MasterWeights:
     def targets(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per param what the inner optimizer steps: its master, else the param itself (masters
         are only ever added: the list is kept until one is)."""
-        key = (id(params), len(params), len(self.masters))
         cached = self._targets
-        if cached is None or cached[0] != key or cached[1] is not params:
+        if cached is None or cached[0] != len(self.masters) or cached[1] is not params:
             masters = self.masters
-            cached = self._targets = (key, params, [masters.get(id(p), p) for p in params])
+            cached = self._targets = (len(masters), params, [masters.get(id(p), p)
+                                                             for p in params])
         return cached[2]
 
     def grads_are(self, params: list[torch.Tensor], views: list[torch.Tensor]) -> bool:

@@ -189,7 +189,7 @@ class Step:
             factor = 1.0
         self.outside.scale(1.0 / (self.scaler.scale * target))
         if self.config.max_grad_norm is None and self.measure is flat_norm \
-                and getattr(self.sync, "stage_norm", None) is None:
+                and self.sync.stage_norm is None:
             norm = finite_flag(self.sync, list(window.storage.buffers.values()), outside)
         else:
             views = [v for v, held in zip(self.intake.views, window.held(self.params)) if held]

@@ -282,3 +282,25 @@ def test_step_decides_from_the_window_on_the_fast_path(hooks, clip):
     assert opt.skipped_steps == 1
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)
+
+
+@pytest.mark.parametrize("hooks", HOOKS, indirect=True)
+def test_finite_window_whose_sum_overflows_still_steps(hooks):
+    """Without clipping the step checks finiteness by one sum per flat buffer; finite gradients
+    whose fp32 sum overflows (two entries of 3e38) are looked at again element by element: the
+    step is taken, as natively."""
+    data = batches(2, 4)
+    base = make_model()
+    native_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    native_opt = torch.optim.SGD(native_model.parameters(), lr=1e-40)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=1e-40))
+    for m in (native_model, model):
+        for x, y in data:
+            mse(m, x, y).backward()
+        m[0].weight.grad[0, :2] = 3e38  # (each finite; their sum is not)
+    assert not torch.isfinite(model[0].weight.grad.sum())
+    native_opt.step()
+    opt.step()
+    assert opt.skipped_steps == 0
+    for (name, p), q in zip(model.named_parameters(), native_model.parameters()):
+        assert torch.equal(p, q), name
