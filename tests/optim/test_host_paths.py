@@ -66,7 +66,7 @@ def _loop(model, opt, data, *, per_window=3, how="plain"):
         if how == "clear_mid" and k % per_window == 0:
             model.zero_grad()  # from outside, mid-window (N None: native drops those grads)
         if how == "assign" and k % per_window == 1:
-            p = list(model.parameters())[0]
+            p = next(iter(model.parameters()))
             p.grad = p.grad * 2  # an assigned .grad is what p's gradient means from now on
         if k % per_window == per_window - 1:
             opt.step()
@@ -163,7 +163,7 @@ def test_c_hooks_refuse_bad_arguments():
     """The hook types check what they are built from and called with (TypeError)."""
     if intake_hooks.C_HOOKS is None:
         pytest.fail("accumkernels._C lacks the C hooks (PreHook/PostHook)")
-    pre_type, post_type = intake_hooks.C_HOOKS
+    pre_type, _ = intake_hooks.C_HOOKS
     with pytest.raises(TypeError):
         pre_type(1, 0, None, [], set())
     import weakref
