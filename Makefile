@@ -44,8 +44,21 @@ install: $(VENV)/.installed
 
 test: suite compat-short
 
-suite: $(VENV)/.installed $(VENV)/.test-deps
+suite: $(VENV)/.installed $(VENV)/.test-deps qemu
 	$(PY) -m pytest
+
+# qemu-user runs the CPU kernels' AVX2 path on an emulated CPU without AVX-512 (-cpu Haswell:
+# tests/op/test_simd_isa.py), so that a machine with AVX-512 (CI's) still tests it for real.
+# Installed from Debian's packages where it is missing; in CI a failed install fails the run.
+.PHONY: qemu haswell
+qemu:
+	@command -v qemu-x86_64 >/dev/null || [ "$$(uname -m)" != x86_64 ] \
+		|| (command -v apt-get >/dev/null && apt-get install -y -q qemu-user >/dev/null) \
+		|| { [ -z "$$CI" ] || exit 1; echo "qemu-user NOT INSTALLED: the emulated AVX2 test skips"; }
+
+# The AVX2 path under the emulated Haswell alone (part of make test).
+haswell: $(VENV)/.installed $(VENV)/.test-deps qemu
+	$(PY) -m pytest -q tests/op/test_simd_isa.py -k "without_avx512"
 
 # The [bench] extra of pyproject.toml: matplotlib (the plot), transformers (the training table's
 # models). Installed into the venv even where --system-site-packages would hide a missing one.

@@ -16,7 +16,7 @@ import torch
 # _C.build_info()'s keys, with what they read when the extension is absent.
 _NATIVE_DEFAULTS: dict[str, Any] = {"cuda": False, "cuda_archs": "", "cuda_version": None,
                                     "cuda_vec_store": None, "cuda_runtime": None,
-                                    "openmp": None, "simd": None}
+                                    "openmp": None, "simd": None, "simd_detected": None}
 
 
 def _version(dist: str) -> str | None:
@@ -53,11 +53,21 @@ def build_info() -> dict[str, Any]:
     return info
 
 
+def _simd_line(info: dict[str, Any]) -> str:
+    """Which SIMD path the CPU kernels run here, and why when it is not the CPU's widest."""
+    if not info["native"]:
+        return "none (accumkernels._C not loaded)"
+    line = f"{info['simd']} (this CPU and OS support {info['simd_detected']}"
+    if info["simd"] != info["simd_detected"]:
+        line += "; capped by ACCUMKERNELS_CPU_SIMD"
+    return line + ")"
+
+
 def _lines(info: dict[str, Any]) -> list[str]:
     if not info["native"]:
         native = f"not loaded ({info['native_error']}): the torch and triton backends only"
     else:
-        native = f"CPU kernels ({info['simd']}, {'OpenMP' if info['openmp'] else 'no OpenMP'})"
+        native = f"CPU kernels ({'OpenMP' if info['openmp'] else 'no OpenMP'})"
     if info["cuda"]:
         cuda = (f"built for sm {info['cuda_archs']} with CUDA {info['cuda_version']} "
                 f"({info['cuda_runtime']} runtime)")
@@ -65,6 +75,7 @@ def _lines(info: dict[str, Any]) -> list[str]:
         cuda = "not built (no nvcc at build time): on a GPU, backend 'auto' uses triton or torch"
     rows = [("accumkernels", info["version"]), ("torch", info["torch"]),
             ("triton", info["triton"] or "not installed"), ("_C", native),
+            ("CPU SIMD", _simd_line(info)),
             ("CUDA kernels", cuda),
             ("GPUs", str(torch.cuda.device_count()) if torch.cuda.is_available()
              else "none visible to torch")]

@@ -15,12 +15,13 @@
 #include <vector>
 
 #include "accumulate.h"
+#include "cpu_simd.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if defined(ACCUMKERNELS_X86_SIMD)
 #define ACCUMKERNELS_X86_DISPATCH 1
 #include <immintrin.h>
 #endif
@@ -135,11 +136,11 @@ uint32_t run_generic(float* __restrict dst, const void* src, int64_t n, float sc
 
 #if defined(ACCUMKERNELS_X86_DISPATCH)
 // AVX2 + FMA + F16C, compiled for those ISAs only inside this function (the rest of the
-// module stays baseline x86-64) and selected at run time with __builtin_cpu_supports.
+// module stays baseline x86-64) and selected at run time (cpu_simd.h). The AVX-512 level runs it
+// too: the loop is bound by memory, not by the vector width.
 template <int kDType, bool kOverwrite, bool kCheck, bool kNorm>
-__attribute__((target("avx2,fma,f16c"))) uint32_t run_avx2(float* __restrict dst,
-                                                            const void* src, int64_t n,
-                                                            float scale, float* sq) {
+AK_AVX2 uint32_t run_avx2(float* __restrict dst, const void* src, int64_t n, float scale,
+                          float* sq) {
   const auto* s16 = static_cast<const uint16_t*>(src);
   const auto* s32 = static_cast<const float*>(src);
   const __m256 vscale = _mm256_set1_ps(scale);
@@ -243,21 +244,14 @@ struct PickAvx2 {
 };
 #endif
 
+// The table of the level in use (cpu_simd_level: read at every call, tests switch it).
 const Kernels& kernels() {
-  static const Kernels k = [] {
-    // ACCUMKERNELS_CPU_SIMD=generic forces the portable loop (for testing it on AVX2 machines).
-    const char* force = std::getenv("ACCUMKERNELS_CPU_SIMD");
-    if (force != nullptr && std::strcmp(force, "generic") == 0)
-      return make_kernels<PickGeneric>("generic");
+  static const Kernels generic = make_kernels<PickGeneric>("generic");
 #if defined(ACCUMKERNELS_X86_DISPATCH)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-      return make_kernels<PickAvx2>("avx2+fma+f16c");
+  static const Kernels avx2 = make_kernels<PickAvx2>("avx2+fma+f16c");
+  if (cpu_simd_level() >= kSimdAvx2) return avx2;
 #endif
-    return make_kernels<PickGeneric>("generic");
-  }();
-  return k;
+  return generic;
 }
 
 int default_threads() {

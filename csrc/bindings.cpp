@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "accumulate.h"
+#include "cpu_simd.h"
 #include "tensor_calls.h"
 #include "torch_api.h"
 
@@ -177,11 +178,12 @@ PYBIND11_MODULE(_C, m) {
 #endif
         info["cuda_runtime"] = kHasCuda ? "static" : "";
         info["openmp"] = ak::cpu_has_openmp();
-        info["simd"] = ak::cpu_simd_name();
+        info["simd"] = ak::simd_level_name(ak::cpu_simd_level());
+        info["simd_detected"] = ak::simd_level_name(ak::cpu_simd_detected());
         return info;
       },
-      "What was compiled in: CUDA (archs, runtime version, vector store), OpenMP, the CPU SIMD path "
-      "in use.");
+      "What was compiled in: CUDA (archs, runtime version, vector store), OpenMP, the CPU SIMD level "
+      "the kernels run (simd) and the one this CPU and OS support (simd_detected).");
 
   m.def(
       "cuda_prepare",
@@ -298,6 +300,31 @@ PYBIND11_MODULE(_C, m) {
           py::arg("norm_sq") = py::none(),
           "Like accumulate_tensors for src[k] -> the dst of keys[k] (keys None: dst[k]).")
       .def("__len__", &ak::Plan::size);
+
+  m.def(
+      "cpu_simd",
+      [] {
+        py::dict out;
+        out["level"] = ak::simd_level_name(ak::cpu_simd_level());
+        out["detected"] = ak::simd_level_name(ak::cpu_simd_detected());
+        out["cap"] = ak::simd_level_name(ak::cpu_simd_cap());
+        out["accumulate"] = ak::cpu_simd_name();
+        return out;
+      },
+      "The CPU kernels' SIMD level: the one running (level), the widest this CPU and OS support "
+      "(detected), the cap (ACCUMKERNELS_CPU_SIMD or set_cpu_simd_cap), the accumulate kernel's "
+      "path.");
+  m.def(
+      "set_cpu_simd_cap",
+      [](const std::string& name) {
+        const int level = ak::simd_level_of(name);
+        if (level < 0)
+          throw std::invalid_argument("SIMD level " + name + ": use generic, avx2 or avx512");
+        return std::string(ak::simd_level_name(ak::set_cpu_simd_cap(level)));
+      },
+      py::arg("level"),
+      "Cap the CPU kernels' SIMD level ('generic', 'avx2', 'avx512'; a level above the CPU's runs "
+      "the CPU's) and return the previous cap. For tests: the next kernel call uses it.");
 
   m.def("cpu_parallel_threshold", &ak::cpu_parallel_threshold,
         "Elements per call below which the CPU kernel runs on the calling thread.");

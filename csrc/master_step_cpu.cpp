@@ -25,8 +25,8 @@
 // torch which capability it runs). The element formulas are spelled out in portable scalar code
 // (master_step_cpu.h: adam_elem/sgd_elem, also the vector paths' tails) and in AVX2 and AVX-512
 // (master_step_cpu_x86.h), with the same operations in the same order. Which ISA runs is picked
-// at run time (ACCUMKERNELS_CPU_SIMD=generic or avx2 forces a narrower one, for tests); no
-// -march flags.
+// at run time from what the CPU and the OS report (cpu_simd.h; ACCUMKERNELS_CPU_SIMD caps it);
+// no -march flags.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -43,7 +43,8 @@
 #include <omp.h>
 #endif
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include "cpu_simd.h"
+#if defined(ACCUMKERNELS_X86_SIMD)
 #define ACCUMKERNELS_MASTER_X86 1
 #include "master_step_cpu_x86.h"
 #endif
@@ -55,40 +56,14 @@ namespace {
 
 using namespace master_cpu;
 
-#if defined(ACCUMKERNELS_MASTER_X86)
-// The widest vector code this CPU runs: 2 = AVX-512 (F, BW, VL), 1 = AVX2+FMA+F16C, 0 = none.
-// ACCUMKERNELS_CPU_SIMD=avx2 or generic caps it (tests of the narrower paths).
-int simd_level() {
-  static const int level = [] {
-    const char* force = std::getenv("ACCUMKERNELS_CPU_SIMD");
-    const int cap = force == nullptr ? 2
-                    : std::strcmp(force, "generic") == 0 ? 0
-                    : std::strcmp(force, "avx2") == 0    ? 1
-                                                         : 2;
-    __builtin_cpu_init();
-    int have = 0;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c")) {
-      have = 1;
-      if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512vl"))
-        have = 2;
-    }
-    return std::min(have, cap);
-  }();
-  return level;
-}
-#else
-int simd_level() { return 0; }
-#endif
-
 using RunFn = void (*)(const Row&, const Consts&, int64_t, int64_t);
 
 template <int kDType, bool kFma, bool kAdam>
 RunFn pick_one() {
 #if defined(ACCUMKERNELS_MASTER_X86)
-  if (simd_level() == 2) return &run_x86<kDType, kFma, kAdam, true>;
-  if (simd_level() == 1) return &run_x86<kDType, kFma, kAdam, false>;
+  const int level = cpu_simd_level();
+  if (level == kSimdAvx512) return &run_avx512<kDType, kFma, kAdam>;
+  if (level == kSimdAvx2) return &run_avx2<kDType, kFma, kAdam>;
 #endif
   return &run_generic<kDType, kFma, kAdam>;
 }

@@ -1,16 +1,15 @@
 // The fused master step on the CPU: AVX2 (8 wide) and AVX-512 (16 wide) code of the element
 // formulas of master_step_cpu.h, the same operations in the same order. Compiled for those ISAs
 // inside these functions only (target attributes); master_step_cpu.cpp picks one at run time.
-// Included by master_step_cpu.cpp only.
+// Each function sits in its ISA's section (cpu_simd.h). Included by master_step_cpu.cpp only.
 #pragma once
 
 #include <immintrin.h>
 
+#include "cpu_simd.h"
 #include "master_step_cpu.h"
 
 namespace accumkernels::master_cpu {
-
-#define AK_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 template <bool kFma>
 AK_AVX2 inline __m256 vmadd(__m256 a, __m256 b, __m256 c) {
@@ -140,8 +139,6 @@ AK_AVX2 void sgd_avx2(const Row& r, const Consts& c, int64_t begin, int64_t end)
 }
 
 
-#define AK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
 template <bool kFma>
 AK_AVX512 inline __m512 vmadd16(__m512 a, __m512 b, __m512 c) {
   if constexpr (kFma) return _mm512_fmadd_ps(a, b, c);
@@ -264,24 +261,39 @@ AK_AVX512 void sgd_avx512(const Row& r, const Consts& c, int64_t begin, int64_t 
   }
 }
 
-// Elements [begin, end) of one tensor (begin a multiple of 16): vector code up to the tail (16
-// wide with kWide, then one 8-wide block if one is left), then the tail's scalar form.
-template <int kDType, bool kFma, bool kAdam, bool kWide>
-AK_AVX512 void run_x86(const Row& r, const Consts& c, int64_t begin, int64_t end) {
-  const int64_t split = std::clamp(r.numel - r.numel % 8, begin, end);
-  int64_t i = begin;
-  if constexpr (kWide) {
-    const int64_t wide_end = begin + (split - begin) / 16 * 16;
-    if constexpr (kAdam) adam_avx512<kDType, kFma>(r, c, i, wide_end);
-    else sgd_avx512<kDType, kFma>(r, c, i, wide_end);
-    i = wide_end;
-  }
-  if constexpr (kAdam) adam_avx2<kDType, kFma>(r, c, i, split);
-  else sgd_avx2<kDType, kFma>(r, c, i, split);
-  for (i = split; i < end; ++i) {
+// The tail of one tensor, [split, end): adam_elem/sgd_elem's scalar form, compiled (inlined)
+// under the caller's ISA.
+template <int kDType, bool kFma, bool kAdam>
+inline void run_tail(const Row& r, const Consts& c, int64_t split, int64_t end) {
+  for (int64_t i = split; i < end; ++i) {
     if constexpr (kAdam) adam_elem<kDType, kFma, true>(r, c, i);
     else sgd_elem<kDType, kFma, true>(r, c, i);
   }
+}
+
+// Elements [begin, end) of one tensor (begin a multiple of 16) on AVX2: 8 wide up to the tail,
+// then the tail's scalar form. Everything it runs is compiled for AVX2/FMA/F16C only.
+template <int kDType, bool kFma, bool kAdam>
+AK_AVX2 void run_avx2(const Row& r, const Consts& c, int64_t begin, int64_t end) {
+  const int64_t split = std::clamp(r.numel - r.numel % 8, begin, end);
+  if constexpr (kAdam) adam_avx2<kDType, kFma>(r, c, begin, split);
+  else sgd_avx2<kDType, kFma>(r, c, begin, split);
+  run_tail<kDType, kFma, kAdam>(r, c, split, end);
+}
+
+// The same on AVX-512: 16 wide, then one 8-wide block if one is left, then the tail.
+template <int kDType, bool kFma, bool kAdam>
+AK_AVX512 void run_avx512(const Row& r, const Consts& c, int64_t begin, int64_t end) {
+  const int64_t split = std::clamp(r.numel - r.numel % 8, begin, end);
+  const int64_t wide_end = begin + (split - begin) / 16 * 16;
+  if constexpr (kAdam) {
+    adam_avx512<kDType, kFma>(r, c, begin, wide_end);
+    adam_avx2<kDType, kFma>(r, c, wide_end, split);
+  } else {
+    sgd_avx512<kDType, kFma>(r, c, begin, wide_end);
+    sgd_avx2<kDType, kFma>(r, c, wide_end, split);
+  }
+  run_tail<kDType, kFma, kAdam>(r, c, split, end);
 }
 
 }  // namespace accumkernels::master_cpu

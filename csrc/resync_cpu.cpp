@@ -12,8 +12,9 @@
 #include <cstring>
 
 #include "accumulate.h"
+#include "cpu_simd.h"
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if defined(ACCUMKERNELS_X86_SIMD)
 #define ACCUMKERNELS_RESYNC_X86 1
 #include <immintrin.h>
 #endif
@@ -75,8 +76,7 @@ int64_t resync_scalar(float* master, const uint16_t* weight, int64_t from, int64
 
 #if defined(ACCUMKERNELS_RESYNC_X86)
 template <int kDType>
-__attribute__((target("avx2,fma,f16c"))) int64_t resync_avx2(float* master,
-                                                             const uint16_t* weight, int64_t n) {
+AK_AVX2 int64_t resync_avx2(float* master, const uint16_t* weight, int64_t n) {
   const __m256i lsb_one = _mm256_set1_epi32(1);
   const __m256i half_ulp = _mm256_set1_epi32(0x7fff);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
@@ -122,11 +122,7 @@ __attribute__((target("avx2,fma,f16c"))) int64_t resync_avx2(float* master,
   return taken;
 }
 
-bool have_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
+bool vector_path() { return cpu_simd_level() >= kSimdAvx2; }
 #endif
 
 // -- copy-back ---------------------------------------------------------------------------------
@@ -155,7 +151,7 @@ inline uint16_t to_bits(float m, int dtype) {
 
 #if defined(ACCUMKERNELS_RESYNC_X86)
 // torch's float -> bfloat16 on 8 lanes (nearest even; NaN -> 0x7fc0), the 16 bits in each lane.
-__attribute__((target("avx2,fma,f16c"))) inline __m256i round_bf16_bits8(__m256i u) {
+AK_AVX2 inline __m256i round_bf16_bits8(__m256i u) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i r = _mm256_srli_epi32(
       _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
@@ -166,8 +162,7 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i round_bf16_bits8(__m256i
 
 // weight = master rounded (16 elements a step).
 template <int kDType>
-__attribute__((target("avx2,fma,f16c"))) void copy_back_avx2(const float* m, uint16_t* w,
-                                                            int64_t n16) {
+AK_AVX2 void copy_back_avx2(const float* m, uint16_t* w, int64_t n16) {
   int64_t i = 0;
   for (; i + 16 <= n16; i += 16) {
     __m128i lo, hi;
@@ -200,7 +195,7 @@ __attribute__((target("avx2,fma,f16c"))) void copy_back_avx2(const float* m, uin
 
 bool copy_back_cpu(const float* master, uint16_t* weight, int64_t n, int dtype) {
 #if defined(ACCUMKERNELS_RESYNC_X86)
-  if (have_avx2()) {
+  if (vector_path()) {
     if (dtype == kBFloat16)
       copy_back_avx2<kBFloat16>(master, weight, n);
     else
@@ -217,7 +212,7 @@ bool copy_back_cpu(const float* master, uint16_t* weight, int64_t n, int dtype) 
 
 int64_t resync_masters_cpu(float* master, const uint16_t* weight, int64_t n, int dtype) {
 #if defined(ACCUMKERNELS_RESYNC_X86)
-  if (have_avx2()) {
+  if (vector_path()) {
     return dtype == kBFloat16 ? resync_avx2<kBFloat16>(master, weight, n)
                               : resync_avx2<kFloat16>(master, weight, n);
   }

@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
     assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET was set"
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -71,3 +71,85 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--conformance") == "full":
         os.environ["ACCUMKERNELS_CONFORMANCE"] = "full"
+
+
+# -- the CPU kernels' SIMD levels ------------------------------------------------------------------
+# The op and master-step test files (SIMD_FILES) run once per SIMD level of the CPU kernels
+# (csrc/cpu_simd.h: generic, avx2, avx512), switched in this process through
+# _C.set_cpu_simd_cap. A level above this CPU's is skipped, saying so. Tests that do not reach the
+# CPU kernels (another backend, a GPU) and tests marked `simd_once` (they start processes of their
+# own) run at the machine's own level only.
+SIMD_FILES = frozenset({
+    "test_accumulate.py", "test_norm_sq.py", "test_strides.py",
+    "test_master_step.py", "test_master_ops.py", "test_master_step_lr_dtypes.py",
+    "test_fused_master.py", "test_masters_resync.py",
+})
+SIMD_LEVELS = ("generic", "avx2", "avx512")
+
+
+def _simd_detected() -> str | None:
+    try:
+        from accumkernels.backends import native
+    except Exception:  # noqa: BLE001 - the import's own tests report it
+        return None
+    return None if native._C is None else native._C.cpu_simd()["detected"]
+
+
+SIMD_DETECTED = _simd_detected()
+
+
+def _simd_params():
+    if SIMD_DETECTED is None:
+        return [pytest.param(None, id="simd-none")]
+    top = SIMD_LEVELS.index(SIMD_DETECTED)
+    return [pytest.param(level, id=f"simd-{level}", marks=pytest.mark.skipif(
+        i > top, reason=f"SIMD level {level} is above this CPU's ({SIMD_DETECTED}): not run here"))
+        for i, level in enumerate(SIMD_LEVELS)]
+
+
+@pytest.fixture(params=_simd_params())
+def cpu_simd(request):
+    """The CPU kernels capped at this SIMD level for the test (the level's name, or None when
+    accumkernels._C is not built)."""
+    level = request.param
+    if level is None:
+        yield None
+        return
+    from accumkernels.backends import native
+    before = native._C.set_cpu_simd_cap(level)
+    try:
+        assert native._C.cpu_simd()["level"] == level
+        yield level
+    finally:
+        native._C.set_cpu_simd_cap(before)
+
+
+_NOT_CPU_KERNELS = ("torch", "triton", "cuda", "ref")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The SIMD files' tests use `cpu_simd`; below the top level only those reaching the CPU
+    kernels are kept."""
+    keep, dropped = [], []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        level = spec.params.get("cpu_simd") if spec is not None else None
+        if level is None or level == SIMD_DETECTED:
+            keep.append(item)
+            continue
+        params = spec.params
+        other = (params.get("backend") in _NOT_CPU_KERNELS or params.get("device") == "cuda"
+                 or item.get_closest_marker("simd_once") is not None
+                 or item.get_closest_marker("gpu") is not None)
+        (dropped if other else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+def pytest_collection_finish(session):
+    """Each SIMD file must use the fixture (a file added to SIMD_FILES without it would run at one
+    level only)."""
+    missing = {Path(item.fspath).name for item in session.items
+               if Path(item.fspath).name in SIMD_FILES and "cpu_simd" not in item.fixturenames}
+    assert not missing, f"SIMD files whose tests do not use the cpu_simd fixture: {missing}"

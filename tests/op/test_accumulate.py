@@ -9,6 +9,9 @@ from reference import Reference
 
 import accumkernels
 
+# Once per SIMD level of the CPU kernels (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_simd")
+
 DTYPES = [
     pytest.param(torch.float32, id="fp32"),
     pytest.param(torch.bfloat16, id="bf16"),

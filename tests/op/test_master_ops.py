@@ -10,6 +10,9 @@ import torch
 from accumkernels.backends import native
 from accumkernels.master_ops import copy_back_, resync_masters_
 
+# Once per SIMD level of the CPU kernels (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_simd")
+
 OPS = [pytest.param(resync_masters_, id="resync"), pytest.param(copy_back_, id="copy_back")]
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 

@@ -22,6 +22,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from accumkernels import master_adam_step_, master_sgd_step_
 from accumkernels import master_step as ms
 
+# Once per SIMD level of the CPU kernels (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_simd")
+
 BACKENDS = [pytest.param("torch", id="torch"),
             pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
                 "cpu" not in ms.available_backends("cpu"), reason="accumkernels._C not built"))]
@@ -367,6 +370,7 @@ print("ok", torch.backends.cpu.get_cpu_capability())
 """
 
 
+@pytest.mark.simd_once
 @pytest.mark.parametrize("env", [
     pytest.param({"ACCUMKERNELS_CPU_SIMD": "avx2"}, id="kernel-avx2"),
     pytest.param({"ACCUMKERNELS_CPU_SIMD": "generic"}, id="kernel-generic"),

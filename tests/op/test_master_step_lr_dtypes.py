@@ -21,6 +21,9 @@ from accumkernels.backends import master_step_cuda as msc
 
 from test_master_step import assert_same, clone, make_state
 
+# Once per SIMD level of the CPU kernels (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_simd")
+
 LR_DTYPES = [torch.float64, torch.bfloat16, torch.float16]
 LR = 3.0000001e-3  # no float32, bf16 or fp16 value: every conversion rounds
 SIZES = [1, 7, 33, 1030]

@@ -24,6 +24,9 @@ from accumkernels import MasterGradBuffer
 from accumkernels.backends import cuda_host, native
 from accumkernels.plan import LaunchPlan
 
+# Once per SIMD level of the CPU kernels (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_simd")
+
 NAN = float("nan")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = [*DEVICE_BACKENDS, pytest.param(
@@ -164,6 +167,7 @@ def test_cpu_serial_and_parallel_paths(overwrite):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@pytest.mark.simd_once
 def test_cpu_generic_loop():
     """The portable loop (ACCUMKERNELS_CPU_SIMD=generic, read once per process): a subprocess
     runs the tail/needle tests on it."""

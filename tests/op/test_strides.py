@@ -26,6 +26,9 @@ from accumkernels.buffer import MasterGradBuffer
 from accumkernels.master_ops import copy_back_, resync_masters_
 from accumkernels.plan import LaunchPlan
 
+# Once per SIMD level of the CPU kernels (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_simd")
+
 SHAPES = [(3, 5, 7, 2), (1, 9, 1, 4), (5, 1, 3, 1), (2, 0, 3, 3)]
 PERMS = list(itertools.permutations(range(4)))
 

@@ -20,6 +20,9 @@ import torch
 from accumkernels import AccumulatingOptimizer
 from accumkernels.optim import fused_master
 
+# Once per SIMD level of the CPU kernels (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_simd")
+
 N = 3
 
 
@@ -285,6 +288,7 @@ print("same run")
 """
 
 
+@pytest.mark.simd_once
 def test_fresh_process_after_another_framework(seed):
     import importlib.util
     import subprocess

@@ -17,6 +17,9 @@ from accumkernels import AccumulatingOptimizer
 from accumkernels.backends import native
 from accumkernels.optim import masters as masters_mod
 
+# Once per SIMD level of the CPU kernels (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_simd")
+
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
 

@@ -64,3 +64,22 @@ def test_python_m_accumkernels_runs(args) -> None:
                           text=True, env=env, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "backends on cpu" in proc.stdout or '"backends"' in proc.stdout
+
+
+@pytest.mark.skipif(native._C is None, reason="accumkernels._C is not built")
+def test_the_report_names_the_simd_level_and_a_cap(capsys) -> None:
+    """`python -m accumkernels` says which SIMD path the CPU kernels run and what the CPU
+    supports, and names the cap when ACCUMKERNELS_CPU_SIMD narrowed it."""
+    detected = native._C.cpu_simd()["detected"]
+    before = native._C.set_cpu_simd_cap("generic")
+    try:
+        assert main([]) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("CPU SIMD"))
+    finally:
+        native._C.set_cpu_simd_cap(before)
+    assert f"generic (this CPU and OS support {detected}" in line
+    assert ("capped by ACCUMKERNELS_CPU_SIMD" in line) is (detected != "generic")
+    assert main([]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("CPU SIMD"))
+    assert line.split()[2] == native._C.cpu_simd()["level"] and "capped" not in line or \
+        native._C.cpu_simd()["cap"] != "avx512"
