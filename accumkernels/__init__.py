@@ -9,10 +9,10 @@ from accumkernels.buffer import MasterGradBuffer
 from accumkernels.checks import check_model, validate_batch_sizes
 from accumkernels._version import __version__ as __version__
 from accumkernels.info import build_info
-from accumkernels.master_step import master_adam_step_, master_sgd_step_
-from accumkernels.ops import accumulate_, available_backends
+from accumkernels.ops.master_step import master_adam_step_, master_sgd_step_
+from accumkernels.ops.accumulate import accumulate_, available_backends
 from accumkernels.optim import AccumulatingOptimizer
-from accumkernels.optim.ddp import ddp_comm_hook
+from accumkernels.optim.sync.ddp_hook import ddp_comm_hook
 from accumkernels.optimizers import accumulating
 from accumkernels.wgrad import fuse_wgrad_accumulation
 

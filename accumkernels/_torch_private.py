@@ -8,7 +8,7 @@ The last section is the version check: the public features the package needs, th
 that brought each, and ``require``, which refuses a missing one with that release's number.
 
 The kernel layer's dispatch-key reads (``torch._C._dispatch_keys``, ``_increment_version`` in
-accumkernels.ops, accumkernels.master_step and accumkernels.backends) belong to the ops' custom-op
+accumkernels.ops.accumulate, accumkernels.ops.master_step and accumkernels.ops.backends) belong to the ops' custom-op
 contract and stay there; so do the fused master step reference's calls of torch's own fused
 optimizer ops (``torch._fused_adamw_`` and kin, tested against ``torch.optim``'s fused steps).
 """
@@ -89,7 +89,7 @@ def fsdp2_offload_unsafe() -> bool:
 
 def fsdp2_reduce_scatter_base() -> type:
     """FSDP2's ``ReduceScatter`` policy base class (``set_custom_reduce_scatter``'s argument)."""
-    require("FSDPModule.set_custom_reduce_scatter", "accumkernels.optim.fsdp2_wire", ImportError)
+    require("FSDPModule.set_custom_reduce_scatter", "accumkernels.optim.fsdp2.wire", ImportError)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     return ReduceScatter
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accumkernels.backends import validate
-from accumkernels.ops import _accumulate_slots, accumulate_
-from accumkernels.plan import LaunchPlan
+from accumkernels.ops import validate
+from accumkernels.ops.accumulate import _accumulate_slots, accumulate_
+from accumkernels.ops.plan import LaunchPlan
 
 __all__ = ["Bucket", "MasterGradBuffer"]
 

@@ -32,8 +32,8 @@ def build_info() -> dict[str, Any]:
     ``native_error`` saying why when it cannot be loaded), and the backends usable on the CPU and
     on each visible GPU (``backends``, fastest first, as ``available_backends`` lists them)."""
     from accumkernels._version import __version__
-    from accumkernels.backends import native
-    from accumkernels.ops import available_backends
+    from accumkernels.ops.backends import native
+    from accumkernels.ops.accumulate import available_backends
 
     C = native._C
     info: dict[str, Any] = {

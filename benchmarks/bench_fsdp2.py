@@ -188,7 +188,7 @@ def build(cfg: Config, mesh, row: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import accumkernels
-    from accumkernels.optim.fsdp2_wire import enable_bf16_reduce_scatter
+    from accumkernels.optim.fsdp2.wire import enable_bf16_reduce_scatter
 
     wrap, _, wire, _ = ROWS[row]
     torch.manual_seed(0)

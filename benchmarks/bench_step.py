@@ -79,7 +79,7 @@ from pathlib import Path
 import torch
 
 import accumkernels
-from accumkernels.backends import native
+from accumkernels.ops.backends import native
 from benchmarks.accumbench.env import default_out_path, environment
 from benchmarks.accumbench.measure import quantiles
 from benchmarks.accumbench.report import json_safe
@@ -201,7 +201,7 @@ def separate_passes(on: bool):
     if not on:
         yield
         return
-    from accumkernels.optim import fused_master
+    from accumkernels.optim.step import fused_master
     applies = fused_master.applies
     fused_master.applies = lambda *args: False
     try:

@@ -205,7 +205,7 @@ stage_build_first() {
   "$PY" - <<'EOF'
 import accumkernels
 from accumkernels import _C
-from accumkernels.backends import master_step_triton as mst
+from accumkernels.ops.backends import master_step_triton as mst
 print("build_info:", _C.build_info())
 if _C.build_info()["cuda"]:
     print("cuda_prepare(0):", repr(_C.cuda_prepare(0)))

@@ -93,7 +93,7 @@ def triton_variants(arch: str, block: int | None, warps: int | None, tail: int |
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from accumkernels.backends import triton as tb
+        from accumkernels.ops.backends import triton as tb
     except ImportError as exc:
         raise CannotCompile(f"cannot import Triton's compiler: {exc}") from None
     block = block or tb.BLOCK

@@ -4,7 +4,7 @@
                                      [--workload gpt2-24m] [--clock thread|wall] [--out PATH]
 
 Builds the rows of benchmarks/bench_step.py (same list, same window of 2 micro-batches) and times
-``step()`` while ``accumkernels.optim.step.Step``'s phases are wrapped with the same clock:
+``step()`` while ``accumkernels.optim.step.step.Step``'s phases are wrapped with the same clock:
 ``window`` (``Step.end_window``: everything the wrapper does below its ``step()`` entry),
 of it ``take_in`` (what ``.grad`` holds taken into the window), ``gather`` (stale views zeroed,
 ranks), ``decide`` (target, the read pass, the finiteness decision), ``apply`` (clip/fold,
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from accumkernels.optim import intake as intake_mod
+from accumkernels.optim.intake import intake as intake_mod
 from accumkernels.optim import protocol
-from accumkernels.optim import step as step_mod
+from accumkernels.optim.step import step as step_mod
 from benchmarks import bench_step
 from benchmarks.accumbench.env import environment
 

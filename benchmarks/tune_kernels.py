@@ -7,7 +7,7 @@ fraction of a device-to-device copy_ measured in the same run.
 
 The cuda backend runs as built (rebuild with ACCUMKERNELS_CUDA_STORE=ptx to time the other
 store; ``--label`` names the build in the record). The Triton backend runs once per setting of
-its module knobs (BLOCK, NUM_WARPS, HALF_SRC_VEC, TAIL in accumkernels/backends/triton.py):
+its module knobs (BLOCK, NUM_WARPS, HALF_SRC_VEC, TAIL in accumkernels/ops/backends/triton.py):
 ``--triton-grid default`` (the committed values) or ``sweep`` (a small grid around them).
 Every setting is first checked against float64 (sampled elements, as in accumbench), then
 timed with accumbench's timer, by default over CUDA-graph replays (device time only). Prints a
@@ -60,7 +60,7 @@ def _log(msg: str) -> None:
 @contextlib.contextmanager
 def triton_knobs(setting: tuple[int, int, int, int] | None):
     """The Triton backend's module knobs set to ``setting`` for the block (None: as committed)."""
-    from accumkernels.backends import triton as tb
+    from accumkernels.ops.backends import triton as tb
 
     names = ("BLOCK", "NUM_WARPS", "HALF_SRC_VEC", "TAIL")
     saved = tuple(getattr(tb, n) for n in names)

@@ -1,7 +1,7 @@
 // pybind11 module accumkernels._C, no libtorch.
 //
 // Two ways in: `accumulate_tensors` / `Plan` take the tensors themselves and check them in C++
-// (tensor_calls.h, the fast path of accumkernels.ops); `accumulate_cpu` / `accumulate_cuda` take
+// (tensor_calls.h, the fast path of accumkernels.ops.accumulate); `accumulate_cpu` / `accumulate_cuda` take
 // raw pointers as Python ints, for callers that validated the tensors themselves (the portable
 // path). Both keep the kernels' guards that protect memory (std::invalid_argument -> ValueError).
 #include <pybind11/pybind11.h>

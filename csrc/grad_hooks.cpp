@@ -1,4 +1,4 @@
-// The intake's per-param autograd hooks (accumkernels/optim/intake.py) as C callables.
+// The intake's per-param autograd hooks (accumkernels/optim/intake/intake.py) as C callables.
 //
 // Autograd calls a tensor pre-hook and a post-accumulate-grad hook for every param in every
 // backward. As Python functions each costs a frame and a handful of bytecodes on top of what it

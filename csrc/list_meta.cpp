@@ -1,6 +1,6 @@
 // The bulk check of a multi-tensor elementwise op's lists (the fused master step): whether every
 // entry is a plain tensor the native kernel takes as it is. One pass of the tensor reader over
-// the lists, where the Python rules (accumkernels/master_step_checks.py, layouts.py) read five
+// the lists, where the Python rules (accumkernels/ops/master_step_checks.py, layouts.py) read five
 // or six attributes per tensor. It only ever accepts: any other answer sends the call down the
 // Python path, which applies every rule and names a broken one.
 #include <cstring>

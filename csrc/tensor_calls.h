@@ -1,9 +1,9 @@
 // accumulate_ on Python tensor lists, in one C++ call: read every tensor (torch_api.h), check the
 // op's rules, bump the version counters of what is written, run the kernel.
 //
-// This is the fast path of accumkernels/ops.py. A failed check returns (code, i, j) and writes
+// This is the fast path of accumkernels/ops/accumulate.py. A failed check returns (code, i, j) and writes
 // nothing; the Python layer turns the code into the error message (its readable spec,
-// accumkernels/backends/validate.py, checks the same rules and names them). Code "slow" means
+// accumkernels/ops/validate.py, checks the same rules and names them). Code "slow" means
 // some object could not be read here (not a plain tensor, the reader is off): the Python path
 // then handles the whole call.
 #pragma once

@@ -8,7 +8,7 @@
 // 300-tensor call beats torch._foreach_add_.
 //
 // Nothing here is required: when a symbol is missing, or the Python side's self-test (see
-// accumkernels/backends/native.py) finds the shim disagreeing with torch's own attributes, the
+// accumkernels/ops/backends/native.py) finds the shim disagreeing with torch's own attributes, the
 // reader stays off and callers take the portable Python path.
 #pragma once
 

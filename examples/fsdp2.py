@@ -12,7 +12,7 @@ Run directly it spawns its ranks on CPU (gloo, a FileStore in a temporary direct
   the fp32 shards are the master weights); ``p.grad`` between backwards is that window as a
   DTensor, so ``clip_grad_norm_`` and ``step()`` are native FSDP2's;
 * ``--bf16-wire``: the opt-in reduce-scatter that sends bf16 (half the bytes of fp32) and sums
-  in fp32, exact (``accumkernels.optim.fsdp2_wire``);
+  in fp32, exact (``accumkernels.optim.fsdp2.wire``);
 * ``--no-sync``: FSDP2's ``set_requires_gradient_sync(False)`` for the first N-1 micro-batches
   (one reduce-scatter per window, but FSDP2 then keeps an unsharded fp32 sum per rank);
 * a checkpoint through ``torch.distributed.checkpoint`` in the middle of the last window,
@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import accumkernels
-from accumkernels.optim.fsdp2_wire import enable_bf16_reduce_scatter
+from accumkernels.optim.fsdp2.wire import enable_bf16_reduce_scatter
 
 ACCUM = 4
 

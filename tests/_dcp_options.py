@@ -1,5 +1,5 @@
 """The ``StateDictOptions`` a user can hand DCP's ``get_state_dict``/``set_state_dict``, by name:
-what the checkpoint tests run every path through (tests/optim/test_checkpoint_dcp.py,
+what the checkpoint tests run every path through (tests/optim/checkpoint/test_checkpoint_dcp.py,
 tests/integrations/test_checkpoint_size.py)."""
 
 from __future__ import annotations

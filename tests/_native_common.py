@@ -173,11 +173,11 @@ def sgd_pair(accumulation_steps=None, dtype=torch.float32, **kw):
 # the custom op accumkernels::accumulate_ by the dispatch mode below), a backend's entry points.
 _LAUNCH_ENTRIES = (
     ("accumkernels.buffer", "MasterGradBuffer", "accumulate"),
-    ("accumkernels.backends.native", None, "accumulate"),
-    ("accumkernels.backends.native", None, "run"),
-    ("accumkernels.backends.native", None, "run_plan"),
-    ("accumkernels.backends.reference", None, "accumulate"),
-    ("accumkernels.backends.triton", None, "accumulate"),
+    ("accumkernels.ops.backends.native", None, "accumulate"),
+    ("accumkernels.ops.backends.native", None, "run"),
+    ("accumkernels.ops.backends.native", None, "run_plan"),
+    ("accumkernels.ops.backends.reference", None, "accumulate"),
+    ("accumkernels.ops.backends.triton", None, "accumulate"),
 )
 
 

@@ -1,12 +1,13 @@
 """Shared test setup for every folder of tests/: where helper modules are found, Triton through
 its interpreter on CPU-only machines, the (device, backend) pairs of the op tests, a seed per test.
 
-Layout: one folder per subject (op/, buffer/, optim/, distributed/, integrations/, wgrad/,
-tools/); shared helpers (reference.py, gpu_cases.py, _native_common.py) here at the top.
+Layout: one folder per subject, mirroring the package (op/, buffer/, optim/ with a folder per
+room of the wrapper: intake/, step/, checkpoint/; distributed/, integrations/, wgrad/, tools/,
+bench/); shared helpers (reference.py, gpu_cases.py, _native_common.py) here at the top.
 
 Imports: test helpers are plain modules imported by their file name (``from _ddp_workers import
 run_ranks``, ``from reference import Reference``). This file puts tests/ and each of its folders
-on ``sys.path`` before any test module is imported, so a helper is found from every folder, when
+(at any depth) on ``sys.path`` before any test module is imported, so a helper is found from every folder, when
 one file or folder is run alone, and in spawned rank processes (multiprocessing's spawn start
 method hands the parent's ``sys.path`` to the child, which re-imports the worker's module by
 name). The price: every module name under tests/ is unique (checked below; pytest's default
@@ -23,8 +24,8 @@ from pathlib import Path
 import torch
 
 TESTS = Path(__file__).resolve().parent
-_FOLDERS = [TESTS] + sorted(p for p in TESTS.iterdir()
-                            if p.is_dir() and not p.name.startswith((".", "_")))
+_FOLDERS = [TESTS] + sorted(p for p in TESTS.rglob("*") if p.is_dir() and not any(
+    part.startswith((".", "_")) for part in p.relative_to(TESTS).parts))
 _seen: dict[str, Path] = {}
 for _folder in _FOLDERS:
     for _file in _folder.glob("*.py"):
@@ -89,7 +90,7 @@ SIMD_LEVELS = ("generic", "avx2", "avx512")
 
 def _simd_detected() -> str | None:
     try:
-        from accumkernels.backends import native
+        from accumkernels.ops.backends import native
     except Exception:  # noqa: BLE001 - the import's own tests report it
         return None
     return None if native._C is None else native._C.cpu_simd()["detected"]
@@ -115,7 +116,7 @@ def cpu_simd(request):
     if level is None:
         yield None
         return
-    from accumkernels.backends import native
+    from accumkernels.ops.backends import native
     before = native._C.set_cpu_simd_cap(level)
     try:
         assert native._C.cpu_simd()["level"] == level

@@ -131,7 +131,7 @@ def test_master_sanitize_cases_run_on_the_cpu():
         sys.path.insert(0, str(ROOT))
     import torch
 
-    from accumkernels.backends import master_step_triton as mst
+    from accumkernels.ops.backends import master_step_triton as mst
     from benchmarks import sanitize_master as sm
 
     if not mst.is_available(torch.device("cpu")):

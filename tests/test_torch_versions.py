@@ -65,8 +65,8 @@ def test_bf16_reduce_scatter_refused_without_custom_reduce_scatter(monkeypatch):
     from torch.distributed.fsdp import FSDPModule
 
     monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
-    monkeypatch.delitem(sys.modules, "accumkernels.optim.fsdp2_wire", raising=False)
-    with pytest.raises(ImportError, match=r"accumkernels.optim.fsdp2_wire needs "
+    monkeypatch.delitem(sys.modules, "accumkernels.optim.fsdp2.wire", raising=False)
+    with pytest.raises(ImportError, match=r"accumkernels.optim.fsdp2.wire needs "
                                           r"FSDPModule.set_custom_reduce_scatter, new in torch "
                                           r"2\.9"):
-        import accumkernels.optim.fsdp2_wire  # noqa: F401
+        import accumkernels.optim.fsdp2.wire  # noqa: F401

@@ -34,7 +34,7 @@ import torch
 from accumkernels._engines import refuse_foreign_engines
 from accumkernels._torch_private import ddp_comm_hooks
 from accumkernels.optim import AccumulatingOptimizer
-from accumkernels.optim.ddp import ddp_comm_hook
+from accumkernels.optim.sync.ddp_hook import ddp_comm_hook
 
 __all__ = ["check_ddp_hook", "check_options", "find_ddp", "inner_wrapper", "module_level",
            "register_ddp_hook", "wrap_optimizer"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from accumkernels.distributed import PIPELINE_STAGE_ATTR
+from accumkernels.optim.sync.reducer import PIPELINE_STAGE_ATTR
 from accumkernels.slot import get_slot
 
 __all__ = ["accumulate_weight_passes", "clip_across_stages"]
@@ -113,7 +113,7 @@ def clip_across_stages(optimizers, group=None) -> None:
     step all of them at every window end (each step takes part in one all-reduce of a float
     over ``group`` per window)."""
     from accumkernels.optim.optimizer import AccumulatingOptimizer
-    from accumkernels.optim.stage_norm import StageNorm
+    from accumkernels.optim.sync.stage_norm import StageNorm
 
     optimizers = list(optimizers)
     for opt in optimizers:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from accumkernels import backends
+from accumkernels.ops import backends
 from accumkernels._util import check_choice, finite_positive, positive_int
 
 REDUCTIONS = ("sum", "mean", "weighted")

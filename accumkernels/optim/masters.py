@@ -10,7 +10,7 @@ no cached picture of the weights standing in for it (a fingerprint, a version co
 through ``.data``, a numpy view or ``untyped_storage()`` bypass the version counter, and a
 fingerprint can be matched by a crafted write). It reads 6 B per element (the master 4, the
 weight 2) and writes only the elements that differ. The kernels are reached through the ops of
-``accumkernels/master_ops.py`` alone (``resync_masters_``, ``copy_back_``), which pick the native
+``accumkernels/ops/master_passes.py`` alone (``resync_masters_``, ``copy_back_``), which pick the native
 pass, Triton or torch ops per pair. A later fused master step is to fold that read into the
 inner optimizer's own pass over the masters.
 """
@@ -22,10 +22,10 @@ import contextlib
 import torch
 
 from accumkernels._util import LOW_PRECISION
-from accumkernels.backends.native import grads_are
-from accumkernels.backends.validate import is_dense
+from accumkernels.ops.backends.native import grads_are
+from accumkernels.ops.validate import is_dense
 from accumkernels.buffer import grad_strides
-from accumkernels.master_ops import copy_back_, resync_masters_
+from accumkernels.ops.master_passes import copy_back_, resync_masters_
 
 
 _NONE = object()  # (no state entry)

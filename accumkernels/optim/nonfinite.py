@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from accumkernels.backends import native
+from accumkernels.ops.backends import native
 from accumkernels.optim.config import Config
 
 

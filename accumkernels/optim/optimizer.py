@@ -32,15 +32,23 @@ from accumkernels._util import LOW_PRECISION, finite_positive
 from accumkernels.checks import check_model
 from accumkernels.optim import protocol
 from accumkernels.optim.config import make_config
-from accumkernels.optim.guard import follow_move
-from accumkernels.optim.backward import remove_handles, weight_pass
+from accumkernels.optim.intake.guard import follow_move
+from accumkernels.optim.intake.backward import remove_handles, weight_pass
 from accumkernels.optim.masters import MasterWeights
 from accumkernels.optim.outside import OutsideParams
-from accumkernels.optim.parts import (FlatLayout, Parts, attach_slots, build_rooms, layout_for,
-                                      managed, resolve_backends, window_across_rebuild)
+from accumkernels.optim.parts import (
+    FlatLayout,
+    Parts,
+    attach_slots,
+    build_rooms,
+    layout_for,
+    managed,
+    resolve_backends,
+    window_across_rebuild,
+)
 from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
 from accumkernels.optim.scaling import LossScaler
-from accumkernels.optim.sync_ddp import ddp_sync_for
+from accumkernels.optim.sync.ddp import ddp_sync_for
 
 __all__ = ["AccumulatingOptimizer"]
 
@@ -139,7 +147,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._intake = self._step = None
         self._build(params, process_group=process_group)
         if ddp is not None:
-            from accumkernels.optim.ddp import register
+            from accumkernels.optim.sync.ddp_hook import register
             self._sync_for_ddp(ddp.process_group)
             register(ddp)
         setattr(optimizer, _OWNER_ATTR, weakref.ref(self))

@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accumkernels import backends
+from accumkernels.ops import backends
 from accumkernels._util import WINDOW_DTYPES
 from accumkernels.buffer import MasterGradBuffer
-from accumkernels.optim import checkpoint
-from accumkernels.optim.fsdp2_recipe import is_sharded, refuse_sharded
-from accumkernels.optim.intake import Intake
+from accumkernels.optim.checkpoint import assemble as checkpoint
+from accumkernels.optim.fsdp2.recipe import is_sharded, refuse_sharded
+from accumkernels.optim.intake.intake import Intake
 from accumkernels.optim.nonfinite import NonFinite
-from accumkernels.optim.step import Step, flat_norm
-from accumkernels.optim.sync import make_sync
+from accumkernels.optim.step.step import Step, flat_norm
+from accumkernels.optim.sync.local import make_sync
 from accumkernels.optim.window import Window
 from accumkernels.slot import SLOT_ATTR
 
@@ -87,7 +87,7 @@ class FlatLayout:
 def layout_for(optimizer, model, kwargs: dict):
     """FSDP2's layout when the inner optimizer holds DTensor params, else the flat one."""
     if is_sharded(optimizer):
-        from accumkernels.optim.fsdp2 import ShardedLayout  # imports FSDP2's modules
+        from accumkernels.optim.fsdp2.layout import ShardedLayout  # imports FSDP2's modules
         return ShardedLayout(managed(optimizer), model, kwargs)
     return FlatLayout()
 

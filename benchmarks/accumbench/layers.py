@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from accumkernels import backends, ops
-from accumkernels.backends import native
-from accumkernels.plan import LaunchPlan
+from accumkernels.ops import backends, accumulate as ops
+from accumkernels.ops.backends import native
+from accumkernels.ops.plan import LaunchPlan
 
 
 def call_layers(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale: float = 1.0, *,

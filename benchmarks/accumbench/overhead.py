@@ -185,7 +185,7 @@ def cpu_crossover(sizes: tuple[int, ...] = (16384, 24576, 32768, 36864, 40960, 4
     """Per size and src dtype: one ``accumulate_`` call with the CPU kernel run serially vs
     split over ``threads`` (its threshold forced each way), next to ``add_``; the minimum over
     interleaved batches (the least disturbed by a shared machine's load)."""
-    from accumkernels.backends import native
+    from accumkernels.ops.backends import native
 
     knob = getattr(native, "cpu_parallel_threshold", None)
     if knob is None or knob() is None:
@@ -261,7 +261,7 @@ def staging_numbers(n_tensors: int = 300, numel: int = 1, batches: int = BATCHES
 def host_path_record(n_tensors: int = 300, numel: int = 1, threads: int = 1,
                      batches: int = 9) -> dict:
     """The host-path measurement on the CPU (see the module docstring)."""
-    from accumkernels.backends import native
+    from accumkernels.ops.backends import native
     from benchmarks.accumbench.providers import make_providers
 
     cpu = torch.device("cpu")

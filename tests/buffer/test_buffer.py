@@ -1,7 +1,7 @@
 """MasterGradBuffer (DESIGN: "accumkernels.MasterGradBuffer"): disjoint fp32 views that cover
 every trainable param and are its ``main_grad``, buckets in reverse order and of the asked size,
 accumulate/overwrite of given params only, validation of its input. How the wrapper feeds it
-during backward: tests/optim/test_intake.py."""
+during backward: tests/optim/intake/test_intake.py."""
 
 from __future__ import annotations
 

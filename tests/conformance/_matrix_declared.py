@@ -120,7 +120,7 @@ MEMBERS = {
     "state_dict": ax("single.checkpoint=save-load", "single.checkpoint=to-native",
                      "single.checkpoint=deepcopy"),
     "step": ax("single.accum=N", "single.accum=None", "single.accum=N-short-last"),
-    "sync_step": ex("reads whether the next step is a real one", "tests/optim/test_intake.py",
+    "sync_step": ex("reads whether the next step is a real one", "tests/optim/intake/test_intake.py",
                     "sync_step"),
     "weight_pass": ax("single.grads=wp-assign", "single.grads=wp-mixed",
                       "single.grads=wp-nested", "single.grads=wp-raise"),
@@ -151,7 +151,7 @@ OPTIONS = {
     "master_weights=False": ax("single.masters=False"),
     "master_weights=True": ex("=auto on the low-precision models the matrix builds; True on an "
                               "fp32 model has no master to keep",
-                              "tests/optim/test_masters.py", "master_weights"),
+                              "tests/optim/step/test_masters.py", "master_weights"),
     "accumulate_in_backward": ax("single.in_backward=True"),
     "accumulate_in_backward=True": ax("single.in_backward=True"),
     "accumulate_in_backward=False": ax("single.in_backward=False"),
@@ -258,7 +258,7 @@ HOOKS = {
     "Tensor.register_post_accumulate_grad_hook": ex(
         "a user's post-accumulate hook sees p.grad as natively (the running window) and may "
         "change it; the optimizer-in-backward pattern steps per param inside backward, with no "
-        "window to accumulate", "tests/optim/test_user_hooks.py",
+        "window to accumulate", "tests/optim/intake/test_user_hooks.py",
         "register_post_accumulate_grad_hook"),
     "inner.register_step_pre_hook": ax("single.hooks=inner-pre-hook"),
     "inner.register_step_post_hook": ax("single.hooks=inner-post-hook"),
@@ -277,7 +277,7 @@ _MOVES = ex("changes the params' dtype or device between calls: native's result 
             "error with nothing changed", "tests/optim/test_device_moves.py", "to(")
 _MODULE_HOOK = ex("a module backward hook changes grad_output/grad_input before the params' "
                   "AccumulateGrad, the same path as the crossed full backward pre-hook",
-                  "tests/optim/test_user_hooks.py", "register_full_backward_hook")
+                  "tests/optim/intake/test_user_hooks.py", "register_full_backward_hook")
 _FORWARD = ex(NOT_GRAD + "; both sides run the same forward")
 MODEL = {
     **{f"Module.{n}": ex(READS) for n in (
@@ -307,7 +307,7 @@ MODEL = {
     "Module.requires_grad_": ax("single.loop=freeze-before", "single.loop=freeze-between",
                                 "single.params=frozen"),
     "Module.share_memory": ex("moves the params' storage to shared memory between calls",
-                              "tests/optim/test_fused_master.py", "share_memory"),
+                              "tests/optim/step/test_fused_master.py", "share_memory"),
     "Module.zero_grad": ax("single.loop=model-zero_grad", "single.loop=model-zero_grad-every"),
     "Module.compile": ex("the model compiled: the accumulation op is a custom op that works "
                          "under torch.compile", "tests/op/test_op_registration.py", "compile"),

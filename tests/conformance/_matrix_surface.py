@@ -62,7 +62,8 @@ def wrapper_members() -> set[str]:
 
 def wrapper_options() -> set[str]:
     """Every constructor keyword, and every value of the keywords that take a choice."""
-    from accumkernels import AccumulatingOptimizer, backends
+    from accumkernels import AccumulatingOptimizer
+    from accumkernels.ops import backends
     from accumkernels.optim.config import NONFINITE_POLICIES, REDUCTIONS
 
     sig = inspect.signature(AccumulatingOptimizer.__init__)

@@ -24,14 +24,14 @@ MUTANTS = Path(__file__).resolve().parent / "mutants"
 
 # the old tests of the code each mutant changes
 OLD_TESTS = {
-    "a": ["tests/optim/test_clip.py", "tests/optim/test_fused_fold.py",
-          "tests/optim/test_fused_master.py"],
-    "b": ["tests/optim/test_weight_pass.py", "tests/optim/test_intake.py"],
-    "c": ["tests/optim/test_checkpoint_live_state.py"],
-    "d": ["tests/optim/test_weight_pass.py", "tests/optim/test_loss_scale.py"],
+    "a": ["tests/optim/step/test_clip.py", "tests/optim/step/test_fused_fold.py",
+          "tests/optim/step/test_fused_master.py"],
+    "b": ["tests/optim/intake/test_weight_pass.py", "tests/optim/intake/test_intake.py"],
+    "c": ["tests/optim/checkpoint/test_checkpoint_live_state.py"],
+    "d": ["tests/optim/intake/test_weight_pass.py", "tests/optim/test_loss_scale.py"],
     "e": ["tests/optim/test_window.py", "tests/optim/test_nonfinite.py"],
-    "f": ["tests/optim/test_intake.py", "tests/optim/test_user_hands.py"],
-    "g": ["tests/optim/test_checkpoint.py", "tests/optim/test_checkpoint_resume.py"],
+    "f": ["tests/optim/intake/test_intake.py", "tests/optim/test_user_hands.py"],
+    "g": ["tests/optim/checkpoint/test_checkpoint.py", "tests/optim/checkpoint/test_checkpoint_resume.py"],
 }
 
 

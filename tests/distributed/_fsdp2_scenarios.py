@@ -79,7 +79,7 @@ def scenario_wire_bound(world: int) -> dict:
     """The bf16-wire reduce-scatter alone vs gloo's fp32 one on bf16-exact random inputs:
     elementwise |difference| / (2 (world-1) 2**-24 sum|g|) (must be <= 1), and the same ratio
     for a bf16 running sum (the negative control, which the bound must reject)."""
-    from accumkernels.optim.fsdp2_wire import Bf16WireReduceScatter
+    from accumkernels.optim.fsdp2.wire import Bf16WireReduceScatter
 
     n = 4097  # not a multiple of any vector width
     g = torch.Generator().manual_seed(7 + dist.get_rank())
@@ -178,7 +178,7 @@ def scenario_resume_other_world(world: int, ckpt: str) -> dict:
     given the same params, AdamW state and the saved window as ``.grad``."""
     import torch.distributed.checkpoint as dcp
 
-    from accumkernels.optim.fsdp2_checkpoint import init_inner_state
+    from accumkernels.optim.fsdp2.checkpoint import init_inner_state
 
     model, opt = _load_wrapped(world, ckpt)
     micro_steps = opt.micro_steps

@@ -157,7 +157,7 @@ def train(mesh_shape, *, wrap: bool, inner: str = "adamw", nosync: str = "", cli
                                     reduction=reduction,
                                     max_grad_norm=CLIP if clip == "wrapper" else None)
         if wire:
-            from accumkernels.optim.fsdp2_wire import enable_bf16_reduce_scatter
+            from accumkernels.optim.fsdp2.wire import enable_bf16_reduce_scatter
             comm = enable_bf16_reduce_scatter(model)
     elif weights:  # native weighted: FSDP2 sums over ranks, the loop divides by the total
         for module in model.modules():  # (the setters do not recurse)

@@ -314,7 +314,7 @@ def test_nonfinite_written_into_one_ranks_shard_is_agreed(two, clip):
 def test_bf16_exactness_check_in_chunks(monkeypatch):
     """The wire's fallback test reads the input chunk by chunk (no whole fp32 temporary): a
     value off bf16 in the last chunk, or in the first, is still seen."""
-    from accumkernels.optim import fsdp2_wire
+    from accumkernels.optim.fsdp2 import wire as fsdp2_wire
 
     monkeypatch.setattr(fsdp2_wire, "_CHECK_CHUNK", 7)
     x = torch.randn(50).to(torch.bfloat16).float()

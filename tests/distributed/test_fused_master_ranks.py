@@ -46,7 +46,7 @@ def loss_of(weights, rs) -> torch.Tensor:
 
 def scenario(rank: int, world: int, kind: str) -> dict:
     from accumkernels import AccumulatingOptimizer
-    from accumkernels.optim import fused_master
+    from accumkernels.optim.step import fused_master
 
     calls = []
     real = fused_master.step

@@ -3,7 +3,7 @@ the rank's running window, as it sees and writes native ``.grad`` (the rank's ru
 the ranks reduce what it wrote: under DDP (``no_sync`` but on the last micro-batch, with and
 without ``find_unused_parameters``) and with ``process_group`` (buckets reduced as the last
 micro-batch completes them, hooks on every param or on some). Native judge: DDP itself, or
-plain ranks averaging ``.grad`` (fp32: within 1e-6). Single process: tests/optim/test_user_hooks.py."""
+plain ranks averaging ``.grad`` (fp32: within 1e-6). Single process: tests/optim/intake/test_user_hooks.py."""
 
 from __future__ import annotations
 

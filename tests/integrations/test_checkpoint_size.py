@@ -226,7 +226,7 @@ _STRAIGHT: dict = {}
 @pytest.mark.parametrize("option", ["default", "flatten_cpu", "full_cpu", "torch"])
 def test_a_mid_window_checkpoint_carries_the_window(tmp_path, option, dtype):
     """The mid-window half of the rule (every DCP option through get/set_state_dict:
-    tests/optim/test_checkpoint_dcp.py; Accelerate's ``save_state``:
+    tests/optim/checkpoint/test_checkpoint_dcp.py; Accelerate's ``save_state``:
     test_accelerate_checkpoint.py). The template for ``dcp.load`` is built inside
     ``opt.window_template()`` (README: checkpoints)."""
     def save(model, opt):

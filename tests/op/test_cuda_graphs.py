@@ -14,7 +14,7 @@ from reference import Reference
 
 import accumkernels
 
-from accumkernels.backends import triton as tb
+from accumkernels.ops.backends import triton as tb
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 needs_triton = pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
@@ -68,7 +68,7 @@ def test_every_triton_launch_uploads_through_upload_table(monkeypatch):
     its table, with no capture handling)."""
     if not tb.is_available(torch.device("cpu")):
         pytest.skip("no Triton interpreter here")
-    from accumkernels.backends import master_step_triton as mst
+    from accumkernels.ops.backends import master_step_triton as mst
 
     seen = []
 
@@ -156,7 +156,7 @@ def test_triton_resync_and_master_step_replay_after_pinned_churn():
     """resync_masters and the master step (Triton) captured, then pinned blocks of their tables'
     sizes are allocated and scribbled on (a dropped pinned table would be handed out again):
     every replay still computes what the same calls compute eagerly."""
-    from accumkernels.backends import master_step_triton as mst
+    from accumkernels.ops.backends import master_step_triton as mst
 
     numels = [5, 1030, 4096 * 3 + 1]
     m = [torch.randn(n, device="cuda") for n in numels]

@@ -21,8 +21,8 @@ import torch
 from reference import Reference
 
 import accumkernels
-from accumkernels.backends import cuda_host, native
-from accumkernels.plan import LaunchPlan
+from accumkernels.ops.backends import cuda_host, native
+from accumkernels.ops.plan import LaunchPlan
 
 pytestmark = pytest.mark.skipif(not cuda_host.is_available(torch.device("cpu")),
                                 reason="accumkernels._C is not built")

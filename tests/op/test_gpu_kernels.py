@@ -60,7 +60,7 @@ def test_kernels_are_loaded_before_a_first_capture():
         import sys, torch
         sys.path.insert(0, %r)
         import accumkernels, gpu_cases
-        from accumkernels.backends import native
+        from accumkernels.ops.backends import native
         assert "cuda" in accumkernels.available_backends("cuda")
         assert native._CUDA_PROBLEMS == {0: None}, native._CUDA_PROBLEMS
         dev = torch.device("cuda", 0)
@@ -83,7 +83,7 @@ def test_kernels_are_loaded_before_a_first_capture():
 
 @gpu
 def test_captured_triton_tables_are_freed_with_their_graph():
-    tb = pytest.importorskip("accumkernels.backends.triton")
+    tb = pytest.importorskip("accumkernels.ops.backends.triton")
     if not hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph"):
         pytest.skip("this torch cannot name the graph being captured")
     unowned = len(tb._UNOWNED)
@@ -99,7 +99,7 @@ def test_captured_triton_tables_are_freed_with_their_graph():
 
 @gpu
 def test_cuda_backend_is_prepared():
-    from accumkernels.backends import native
+    from accumkernels.ops.backends import native
 
     assert "cuda" in accumkernels.available_backends(CUDA)
     assert native._CUDA_PROBLEMS.get(0, "unprobed") is None

@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_map
 
 import accumkernels
 from accumkernels import MasterGradBuffer
-from accumkernels.backends import native
-from accumkernels.plan import LaunchPlan
+from accumkernels.ops.backends import native
+from accumkernels.ops.plan import LaunchPlan
 
 BACKENDS = ["cpu", "torch", "cuda_host"] + ([] if HAS_CUDA else ["triton"])
 ROOT = Path(__file__).resolve().parents[2]  # the repository

@@ -15,9 +15,9 @@ import random
 import pytest
 import torch
 
-from accumkernels import master_step_checks as checks
-from accumkernels.backends import native
-from accumkernels.master_step import master_adam_step_, master_sgd_step_
+from accumkernels.ops import master_step_checks as checks
+from accumkernels.ops.backends import native
+from accumkernels.ops.master_step import master_adam_step_, master_sgd_step_
 
 pytestmark = pytest.mark.skipif(not native.READER, reason=f"no tensor reader: {native.READER_NOTE}")
 

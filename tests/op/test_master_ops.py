@@ -1,4 +1,4 @@
-"""The master-weight ops (accumkernels.master_ops): ``resync_masters_`` and ``copy_back_`` refuse
+"""The master-weight ops (accumkernels.ops.master_passes): ``resync_masters_`` and ``copy_back_`` refuse
 bad lists with a TypeError/ValueError naming the pair, before writing anything, and compute
 torch's definition on every path (native pass, torch ops; strided, neg-bit, empty pairs)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accumkernels.backends import native
-from accumkernels.master_ops import copy_back_, resync_masters_
+from accumkernels.ops.backends import native
+from accumkernels.ops.master_passes import copy_back_, resync_masters_
 
 # Once per SIMD level of the CPU kernels (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("cpu_simd")

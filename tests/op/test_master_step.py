@@ -20,7 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from accumkernels import master_adam_step_, master_sgd_step_
-from accumkernels import master_step as ms
+from accumkernels.ops import master_step as ms
 
 # Once per SIMD level of the CPU kernels (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("cpu_simd")

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from accumkernels.backends import master_step_cuda as msc
-from accumkernels.backends import native
+from accumkernels.ops.backends import master_step_cuda as msc
+from accumkernels.ops.backends import native
 
 pytestmark = pytest.mark.skipif(not msc.host_available(), reason="accumkernels._C is not built")
 

@@ -21,8 +21,8 @@ import random
 import pytest
 import torch
 
-from accumkernels.backends import master_step_cuda as msc
-from accumkernels.backends import master_step_triton as mst
+from accumkernels.ops.backends import master_step_cuda as msc
+from accumkernels.ops.backends import master_step_triton as mst
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU: compares the cuda/triton master step with torch's fused "

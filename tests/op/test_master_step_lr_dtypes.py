@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from accumkernels import master_adam_step_, master_sgd_step_
-from accumkernels import master_step as ms
-from accumkernels.backends import master_step_cuda as msc
+from accumkernels.ops import master_step as ms
+from accumkernels.ops.backends import master_step_cuda as msc
 
 from test_master_step import assert_same, clone, make_state
 
@@ -32,7 +32,7 @@ KINDS = ["adam_f32", "adam_f64", "sgd"]
 
 def _triton():
     try:
-        from accumkernels.backends import master_step_triton as mst
+        from accumkernels.ops.backends import master_step_triton as mst
     except ImportError:
         return None
     if mst.triton is None or not mst.is_available(torch.device("cpu")):
@@ -125,7 +125,7 @@ def test_torch_backend_hands_torch_a_float32_lr_on_the_device(monkeypatch, kind,
     a tensor lr as float32: a tensor lr on the step's device is converted to float32 first (a CPU
     one is passed as its number). Driven on meta tensors (the device path, no GPU) with torch's
     fused ops replaced by a recorder of the lr they get."""
-    from accumkernels.backends import master_step_ref as ref
+    from accumkernels.ops.backends import master_step_ref as ref
 
     seen = []
     op = {"adamw": "_fused_adamw_", "adam": "_fused_adam_", "sgd": "_fused_sgd_"}[kind]

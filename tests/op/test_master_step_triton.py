@@ -35,7 +35,7 @@ from conftest import HAS_CUDA
 from test_master_step_cuda_host import (Guards, fma32, fma64, make_case, options, snapshot,
                                        step_spec)
 
-mst = pytest.importorskip("accumkernels.backends.master_step_triton")
+mst = pytest.importorskip("accumkernels.ops.backends.master_step_triton")
 if mst.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
@@ -232,9 +232,9 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from accumkernels.backends import master_step_triton as mst
-from accumkernels.backends.master_step_triton_kernels import master_step_kernel
-from accumkernels.backends.master_step_triton_kernels import pow_probe_kernel
+from accumkernels.ops.backends import master_step_triton as mst
+from accumkernels.ops.backends.master_step_triton_kernels import master_step_kernel
+from accumkernels.ops.backends.master_step_triton_kernels import pow_probe_kernel
 
 def compile(fn, sig, const, algo):
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig

@@ -108,7 +108,7 @@ def test_tensor_reader_is_on() -> None:
     """On Linux with a current torch, the C++ tensor reader (torch's C shim) passes its self-test:
     otherwise every accumulate_ call would take the slower Python path."""
     _native_module()
-    from accumkernels.backends import native
+    from accumkernels.ops.backends import native
 
     assert native.READER, native.READER_NOTE
 
@@ -218,8 +218,8 @@ def test_unusable_cuda_kernels_fall_back_with_one_warning(monkeypatch) -> None:
 
     import torch
 
-    from accumkernels import backends
-    from accumkernels.backends import native
+    from accumkernels.ops import backends
+    from accumkernels.ops.backends import native
 
     if not native._C.has_cuda():
         pytest.skip("built without CUDA")

@@ -21,8 +21,8 @@ from reference import Reference
 
 import accumkernels
 from accumkernels import MasterGradBuffer
-from accumkernels.backends import cuda_host, native
-from accumkernels.plan import LaunchPlan
+from accumkernels.ops.backends import cuda_host, native
+from accumkernels.ops.plan import LaunchPlan
 
 # Once per SIMD level of the CPU kernels (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("cpu_simd")

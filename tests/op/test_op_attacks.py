@@ -17,8 +17,8 @@ from torch import nn
 
 import accumkernels
 from accumkernels import MasterGradBuffer
-from accumkernels.backends import native
-from accumkernels.plan import LaunchPlan
+from accumkernels.ops.backends import native
+from accumkernels.ops.plan import LaunchPlan
 
 BACKENDS = ["cpu", "torch"] + ([] if HAS_CUDA else ["triton"])
 

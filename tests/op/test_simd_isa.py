@@ -27,8 +27,8 @@ import torch
 
 import accumkernels
 from accumkernels import master_adam_step_, master_sgd_step_
-from accumkernels.backends import native
-from accumkernels.master_ops import copy_back_, resync_masters_
+from accumkernels.ops.backends import native
+from accumkernels.ops.master_passes import copy_back_, resync_masters_
 
 ROOT = Path(__file__).resolve().parents[2]
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -269,7 +269,7 @@ EMULATED = r"""
 import sys, torch
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import test_simd_isa as t
-from accumkernels.backends import native
+from accumkernels.ops.backends import native
 x = torch.load(sys.argv[3])
 torch.save({"info": native._C.cpu_simd(), "out": t.run_kernels(x)}, sys.argv[4])
 print("ran", native._C.cpu_simd()["level"])

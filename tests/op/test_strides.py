@@ -23,8 +23,8 @@ from conftest import DEVICE_BACKENDS
 import accumkernels
 from accumkernels import master_adam_step_, master_sgd_step_
 from accumkernels.buffer import MasterGradBuffer
-from accumkernels.master_ops import copy_back_, resync_masters_
-from accumkernels.plan import LaunchPlan
+from accumkernels.ops.master_passes import copy_back_, resync_masters_
+from accumkernels.ops.plan import LaunchPlan
 
 # Once per SIMD level of the CPU kernels (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("cpu_simd")
@@ -163,7 +163,7 @@ def _layout(t: torch.Tensor, perm) -> torch.Tensor:
 def test_master_step_matches_torch_fused_on_the_same_strides(backend, perm, algo):
     """30 steps, bf16 weights with some written by the user between steps: masters, state and
     weights bit for bit torch's fused AdamW/SGD on fp32 params of the same strides, cast back."""
-    if backend == "cpu" and "cpu" not in accumkernels.master_step.available_backends("cpu"):
+    if backend == "cpu" and "cpu" not in accumkernels.ops.master_step.available_backends("cpu"):
         pytest.skip("accumkernels._C not built")
     shape = (3, 37, 5, 7)  # 3885 elements: vector blocks of 8 and a tail of 5
     master = _layout(torch.randn(shape), perm)
@@ -206,7 +206,7 @@ def test_master_step_matches_torch_fused_on_the_same_strides(backend, perm, algo
 def test_master_step_pairs_elements_across_layouts(backend):
     """Operands in different layouts (and a neg-bit weight) pair element by element: the
     result of the same step on operands all in the master's layout."""
-    if backend == "cpu" and "cpu" not in accumkernels.master_step.available_backends("cpu"):
+    if backend == "cpu" and "cpu" not in accumkernels.ops.master_step.available_backends("cpu"):
         pytest.skip("accumkernels._C not built")
     shape = (5, 3, 7, 3)
     lay = {"m": (0, 2, 3, 1), "w": (3, 2, 1, 0), "g": (0, 1, 2, 3), "a": (1, 0, 3, 2)}

@@ -22,9 +22,9 @@ from reference import Reference
 
 import accumkernels
 from accumkernels import _util
-from accumkernels.backends import cuda_host
+from accumkernels.ops.backends import cuda_host
 
-tb = pytest.importorskip("accumkernels.backends.triton")
+tb = pytest.importorskip("accumkernels.ops.backends.triton")
 if tb.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-tb = pytest.importorskip("accumkernels.backends.triton")
+tb = pytest.importorskip("accumkernels.ops.backends.triton")
 if tb.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
@@ -26,7 +26,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from accumkernels.backends import triton as tb
+from accumkernels.ops.backends import triton as tb
 
 def ptx(fn, sig, const):
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig

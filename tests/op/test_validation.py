@@ -119,7 +119,7 @@ def test_tuples_and_disjoint_views_are_fine():
 def test_python_rules_raise_the_same_errors(case, monkeypatch):
     """The portable path (the rules in Python, used where the C++ reader cannot look) raises
     what the C++ checks raise, before writing anything."""
-    from accumkernels.backends import native
+    from accumkernels.ops.backends import native
 
     monkeypatch.setattr(native, "READER", False)
     test_bad_input_raises_and_writes_nothing(case, "cpu")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import accumkernels
-from accumkernels.backends import native
+from accumkernels.ops.backends import native
 from accumkernels.info import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def test_build_info_reports_the_extension_and_the_backends() -> None:
 
 def test_build_info_without_the_extension(monkeypatch) -> None:
     """No _C: native False with the import error, no CUDA kernels, torch still a CPU backend."""
-    from accumkernels import backends
+    from accumkernels.ops import backends
 
     monkeypatch.setattr(native, "_C", None)
     monkeypatch.setattr(native, "IMPORT_ERROR", ImportError("no module named accumkernels._C"))

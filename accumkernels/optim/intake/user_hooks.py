@@ -1,0 +1,84 @@
+"""Params with post-accumulate-grad hooks of the user's (registered before wrapping): natively
+such a hook sees the running sum in ``.grad``, so the intake (accumkernels.optim.intake.intake) moves
+that param's gradient alone, before the user's hooks run (the wrapper's front hook runs first),
+and shows them the window; what they write in place is what the step uses. A part of the
+intake: it works with the intake's launches and bucket bookkeeping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FrontMoves:
+    """This backward's front moves: which params were moved early, and (with
+    ``nonfinite="skip_microbatch"``) their views before it and their gradients."""
+
+    def __init__(self, intake):
+        self.intake = intake
+        self.early: dict[int, bool] = {}  # param index -> counted toward its bucket
+        self.saved: dict[int, torch.Tensor | None] = {}
+        self.grads: list[torch.Tensor] = []
+
+    def end(self) -> tuple[list[torch.Tensor], dict[int, torch.Tensor | None]]:
+        """The backward ended: (gradients moved early, views before them); reset."""
+        grads, saved = self.grads, self.saved
+        self.grads, self.saved, self.early = [], {}, {}
+        return grads, saved
+
+    def front_grad(self, i: int) -> None:
+        """Param i's gradient is in ``.grad`` and the user's post-accumulate-grad hooks run
+        next: move it now, alone, and show the running window in ``.grad`` to them. (A per-param
+        launch, only for such params; inside ``weight_pass()`` and with
+        ``accumulate_in_backward=False`` they see ``.grad`` as it is.)"""
+        intake = self.intake
+        p = intake.params[i]
+        if not p.requires_grad or not intake.move_in_backward or intake.in_weight_pass:
+            return
+        intake.arrived(count=False)
+        g = p.grad
+        if g is None or g.requires_grad:
+            return  # (undefined, or carrying create_graph's graph: after_grad's cases)
+        intake.arrived()
+        view = intake.views[i]
+        if intake.check_each_microbatch:  # checked at the end; put back if dropped
+            if i not in self.saved:
+                self.saved[i] = view.clone() if intake.window.holds(p) else None
+            self.grads.append(g)
+        intake.move([p], [g])
+        p.grad = view
+        self.early.setdefault(i, False)  # (its bucket hears of it after the user's hooks)
+
+    def after_user_hooks(self, i: int) -> None:
+        """Param i, moved by front_grad, after the user's hooks wrote its window: now it counts
+        toward its bucket (whose reduction across ranks may start when it is complete)."""
+        intake = self.intake
+        p = intake.params[i]
+        g = p.grad
+        if g is not None and g is not intake.views[i] and not g.requires_grad:
+            intake.absorb(p, g)  # a .grad the user's hook assigned: p's gradient now
+        # hidden again in a multi-rank job (DDP must not see the window: the intake's docstring)
+        p.grad = None if intake.sync.ddp_possible() else intake.views[i]
+        if self.early[i] or intake.check_each_microbatch:
+            return  # (counted already; skip_microbatch moves the rest at the end)
+        self.early[i] = True
+        index = intake.bucket_index[i]
+        flushed = intake.flushed[index] = intake.flushed.get(index, 0) + 1
+        pend = intake.pending.get(index, {})
+        if len(pend) + flushed == intake.bucket_len[index]:
+            intake.pending.pop(index, None)
+            if pend:
+                intake.launch_held(index, pend)
+            else:
+                intake.bucket_moved(intake.buffer.buckets[index])
+
+    def put_back(self, saved: dict[int, torch.Tensor | None]) -> None:
+        """A dropped micro-batch: the views front_grad wrote hold what they held before it."""
+        intake = self.intake
+        held = intake.window.held(intake.params)
+        for i, old in saved.items():
+            if old is None:
+                held[i] = False  # (its first write of the window: no data of it again)
+            else:
+                intake.views[i].copy_(old)
+        intake.window.keep_only(intake.params, held)

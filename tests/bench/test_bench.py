@@ -1,0 +1,393 @@
+"""The benchmark layer: its pure helpers, its correctness check, and a --quick CLI run."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # the package benchmarks/ sits at the repository root
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import accumbench as bench  # noqa: E402
+from benchmarks.accumbench import cli, env, overhead, report  # noqa: E402
+
+CPU = torch.device("cpu")
+ODD_SHAPES = ((0,), (1,), (3,), (4097,), (65538,), (33, 7))
+
+
+def test_gpt2_124m_shapes():
+    shapes = dict(bench.gpt2_124m_shapes())
+    assert len(shapes) == 148  # names are unique
+    # wte + wpe + 12 x (12 E^2 + 13 E) + ln_f, E = 768: 38,597,376 + 786,432 + 85,054,464 + 1,536
+    assert sum(math.prod(s) for s in shapes.values()) == 124_439_808
+    assert shapes["wte.weight"] == (50257, 768)
+    assert shapes["wpe.weight"] == (1024, 768)
+    assert shapes["h.0.attn.c_attn.weight"] == (768, 2304)
+    assert shapes["h.11.mlp.c_proj.weight"] == (3072, 768)
+    assert shapes["ln_f.bias"] == (768,)
+
+
+@pytest.mark.parametrize("n_layer,n_embd", [(1, 8), (3, 16)])
+def test_gpt2_shapes_follow_config(n_layer, n_embd):
+    shapes = bench.gpt2_shapes(vocab_size=100, n_embd=n_embd, n_positions=32, n_layer=n_layer)
+    e = n_embd
+    assert len(shapes) == 2 + 12 * n_layer + 2
+    assert sum(math.prod(s) for _, s in shapes) == (
+        100 * e + 32 * e + n_layer * (12 * e * e + 13 * e) + 2 * e)
+
+
+def test_make_workload():
+    full = bench.make_workload("gpt2", 1 << 20)
+    assert (full.label, len(full.shapes), full.numel) == ("gpt2-124m", 148, 124_439_808)
+    tiny = bench.make_workload("gpt2", 1 << 20, quick=True)
+    assert len(tiny.shapes) == 148 and tiny.numel < 1_000_000
+    flat = bench.make_workload("flat", 256 << 20)
+    assert (flat.label, flat.shapes, flat.numel) == ("flat-256M", ((256 << 20,),), 256 << 20)
+    small = bench.make_workload("small")
+    assert (small.label, len(small.shapes), small.numel) == ("small-5000x1K", 5000, 5000 * 1024)
+    quick_small = bench.make_workload("small", quick=True)
+    assert len(quick_small.shapes) >= 1000  # the design contract: many tensors means >= 1000
+    with pytest.raises(ValueError, match="unknown workload"):
+        bench.make_workload("bert", 1)
+
+
+def test_llama7b_shapes():
+    shapes = bench.llama7b_shapes()
+    named = dict(shapes)
+    assert len(shapes) == len(named) == 291
+    assert sum(math.prod(s) for _, s in shapes) == bench.LLAMA7B_NUMEL == 6_738_415_616
+    assert named["model.embed_tokens.weight"] == named["lm_head.weight"] == (32000, 4096)
+    assert named["model.layers.0.self_attn.q_proj.weight"] == (4096, 4096)
+    assert named["model.layers.31.mlp.gate_proj.weight"] == (11008, 4096)
+    assert named["model.layers.31.mlp.down_proj.weight"] == (4096, 11008)
+    assert named["model.layers.7.post_attention_layernorm.weight"] == (4096,)
+    assert named["model.norm.weight"] == (4096,)
+
+
+def test_llama_workload_scaling():
+    full = bench.make_workload("llama7b")
+    assert (full.label, len(full.shapes), full.numel, full.scale) == (
+        "llama7b", 291, bench.LLAMA7B_NUMEL, None)
+    eight = bench.llama_workload(layers=8)
+    assert eight.label == "llama7b-8of32layers" and len(eight.shapes) == 3 + 9 * 8
+    assert eight.scale["layers"] == 8 and eight.scale["dim_divisor"] == 1
+    assert eight.describe()["scale"]["fraction_of_full"] == pytest.approx(
+        eight.numel / bench.LLAMA7B_NUMEL)
+    narrow = bench.make_workload("llama", llama_dim_divisor=16)  # the CPU default
+    assert narrow.label == "llama7b-dim1of16" and len(narrow.shapes) == 291
+    assert narrow.numel == pytest.approx(bench.LLAMA7B_NUMEL / 256, rel=0.01)
+    quick = bench.make_workload("llama7b", quick=True)
+    assert len(quick.shapes) == 291 and quick.numel < 1_000_000
+    with pytest.raises(ValueError):
+        bench.llama_workload(layers=0)
+
+
+def test_llama_layers_that_fit():
+    one, full = bench.llama_workload(1).numel, bench.LLAMA7B_NUMEL
+    assert bench.llama_layers_that_fit(16 * full, 16) == 32
+    assert bench.llama_layers_that_fit(16 * one, 16) == 1
+    assert bench.llama_layers_that_fit(0, 16) == 1  # never fewer than one layer
+    eight = bench.llama_workload(8).numel
+    assert bench.llama_layers_that_fit(16 * eight, 16) == 8
+    assert bench.llama_layers_that_fit(16 * eight - 1, 16) == 7
+
+
+@pytest.mark.parametrize("dtype,overwrite,expected", [
+    (torch.bfloat16, False, 10), (torch.float16, False, 10), (torch.float32, False, 12),
+    (torch.bfloat16, True, 6), (torch.float16, True, 6), (torch.float32, True, 8),
+])
+def test_bytes_per_element(dtype, overwrite, expected):
+    assert bench.bytes_per_element(dtype, overwrite) == expected
+
+
+def test_parse_and_format_count():
+    assert bench.parse_count("256M") == 268_435_456
+    assert bench.parse_count("16m") == 16 << 20
+    assert bench.parse_count("4K") == 4096
+    assert bench.parse_count("65539") == 65539
+    with pytest.raises(ValueError):
+        bench.parse_count("1.5M")
+    assert bench.format_count(256 << 20) == "256M"
+    assert bench.format_count(1 << 30) == "1G"
+    assert bench.format_count(65539) == "65539"
+
+
+def test_quantiles():
+    assert bench.quantiles([5.0, 1.0, 3.0, 2.0, 4.0]) == pytest.approx([3.0, 1.8, 4.2])
+    assert bench.quantiles([7.0]) == [7.0, 7.0, 7.0]
+
+
+def test_select_providers():
+    names = ["loop_literal", "loop_add", "foreach", "accumkernels:cpu", "accumkernels:torch"]
+    assert bench.select_providers(names, []) == names
+    assert bench.select_providers(names, ["accumkernels"]) == names[3:]
+    assert bench.select_providers(names, ["loop_*", "accumkernels:cpu"]) == names[:2] + names[3:4]
+    assert bench.select_providers(names, ["accumkernels:cuda"]) == []
+
+
+def test_add_speedups():
+    def row(provider, ms, status="ok"):
+        return {"workload": "w", "label": "w", "dtype": "bf16", "provider": provider,
+                "status": status, "median_ms": ms}
+    rows = [row("loop_literal", 8.0), row("loop_add", 4.0), row("foreach", None, "unsupported"),
+            row("native_grad_dtype", 6.0), row("accumkernels:cpu", 1.0)]
+    cli.add_speedups(rows)
+    ours = rows[-1]
+    assert ours["speedup_vs_loop_literal"] == 8.0 and ours["speedup_vs_loop_add"] == 4.0
+    assert ours["speedup_vs_native_grad_dtype"] == 6.0 and ours["speedup_vs_foreach"] is None
+    assert (ours["best_baseline"], ours["speedup_vs_best_baseline"]) == ("loop_add", 4.0)
+    assert rows[0]["speedup_vs_loop_literal"] == 1.0
+
+
+def test_num_buffer_sets():
+    assert bench.num_buffer_sets(1, CPU) == 16
+    assert bench.num_buffer_sets(1, CPU, max_sets=2) == 2
+    assert bench.num_buffer_sets(1 << 30, CPU) == 2
+
+
+def test_providers_skip_triton_on_cpu():
+    names = list(bench.make_providers(CPU))
+    assert names[:4] == ["loop_literal", "loop_add", "foreach", "native_grad_dtype"]
+    assert "accumkernels:triton" not in names
+    assert all(n.startswith("accumkernels:") for n in names[4:])
+    assert set(bench.BASELINES) == set(names[:4]) == set(bench.BASELINE_CODE)
+
+
+needs_grad_dtype = pytest.mark.skipif(not bench.NativeGradDtype.supported(),
+                                      reason="this torch has no Tensor.grad_dtype")
+
+
+@needs_grad_dtype
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_native_grad_dtype_accumulates_in_place(dtype):
+    """AccumulateGrad adds the upcast gradient into the fp32 .grad we bound: dst, in place."""
+    dst = bench.random_tensors(ODD_SHAPES, torch.float32, CPU)
+    src = bench.random_tensors(ODD_SHAPES, bench.DTYPES[dtype], CPU)
+    before = [d.clone() for d in dst]
+    ptrs = [d.data_ptr() for d in dst]
+    native = bench.NativeGradDtype()
+    assert bench.provider_scale(native) == 1.0 and "scale 1" in native.note
+    native(dst, src)
+    native(dst, src)  # bound params are reused: still the same dst
+    assert [d.data_ptr() for d in dst] == ptrs
+    for d, b, g in zip(dst, before, src):  # two fp32 roundings of b + g + g
+        b, g = b.double(), g.double()
+        assert ((d.double() - (b + 2 * g)).abs() <= 2**-23 * (b.abs() + 2 * g.abs())).all()
+    params = native._params(dst, src)
+    assert all(p.grad is d and p.dtype == g.dtype for p, d, g in zip(params, dst, src))
+
+
+@needs_grad_dtype
+def test_native_grad_dtype_overwrite_zeroes_first():
+    dst = [torch.full((5,), float("nan"))]
+    src = [torch.ones(5, dtype=torch.bfloat16)]
+    bench.NativeGradDtype(overwrite=True)(dst, src)
+    assert torch.equal(dst[0], torch.ones(5))
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["accumulate", "overwrite"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_every_provider_passes_check(dtype, overwrite):
+    dst = bench.random_tensors(ODD_SHAPES, torch.float32, CPU)
+    src = bench.random_tensors(ODD_SHAPES, bench.DTYPES[dtype], CPU)
+    idx = bench.sample_indices(ODD_SHAPES, CPU)
+    for name, fn in bench.make_providers(CPU, overwrite=overwrite).items():
+        if name == "native_grad_dtype" and not bench.NativeGradDtype.supported():
+            continue
+        ok, rel = bench.check_provider(fn, dst, src, idx, bench.provider_scale(fn), overwrite)
+        assert ok, f"{name}: max rel err {rel}"
+        assert rel <= bench.REL_TOL
+
+
+def _wrong_scale(dst, src):
+    bench.loop_add(dst, src, 2 * bench.SCALE)
+
+
+def _skips_last_tensor(dst, src):
+    bench.loop_add(dst[:-1], src[:-1], bench.SCALE)
+
+
+def _leaves_one_element(dst, src):  # an interior element never written (still poisoned)
+    bench.loop_add(dst, src, bench.SCALE, overwrite=True)
+    dst[4].view(-1)[1000] = float("nan")  # caught by the sample or the NaN scan
+
+
+def _reads_dst(dst, src):  # accumulates where it should overwrite
+    bench.loop_add(dst, src, bench.SCALE, overwrite=False)
+
+
+@pytest.mark.parametrize("fn,overwrite", [
+    (_wrong_scale, False), (_skips_last_tensor, False), (_leaves_one_element, True),
+    (_reads_dst, True),
+])
+def test_check_catches_wrong_results(fn, overwrite):
+    dst = bench.random_tensors(ODD_SHAPES, torch.float32, CPU)
+    src = bench.random_tensors(ODD_SHAPES, torch.bfloat16, CPU)
+    ok, _ = bench.check_provider(fn, dst, src, bench.sample_indices(ODD_SHAPES, CPU),
+                                 bench.SCALE, overwrite)
+    assert not ok
+
+
+def test_slugify_and_out_path():
+    assert env.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert env.slugify("Intel(R) Xeon(R) CPU @ 2.20GHz") == "intel-xeon-cpu-2-20ghz"
+    assert env.device_slug(CPU).startswith("cpu-")
+    path = env.default_out_path("cpu-x", datetime.date(2026, 1, 2), overwrite=True, quick=True)
+    assert path.name == "cpu-x-2026-01-02-overwrite-quick.json"
+    assert path.parent.parts[-2:] == ("benchmarks", "results")
+
+
+def test_json_safe():
+    assert report.json_safe({"a": [1.0, float("nan")], "b": float("inf"), "c": "x"}) == {
+        "a": [1.0, None], "b": None, "c": "x"}
+
+
+def test_overhead_breaks_down_the_cpu_call():
+    providers = bench.make_providers(CPU)
+    row = overhead.measure_overhead("accumkernels:cpu", providers["accumkernels:cpu"], CPU,
+                                    n_tensors=300, numel=16)
+    assert row["status"] == "ok", row
+    assert (row["n_tensors"], row["numel_per_tensor"], row["dtype"]) == (300, 16, "bf16")
+    assert row["host_us"] > 0 and row["wall_us"] > 0 and row["device_us"] is None
+    assert set(row["stages_us"]) == {"accumulate_", "custom_op", "backend", "binding"}
+    for key in ("validation_us", "dispatch_us", "marshal_us", "binding_us", "python_us"):
+        assert row[key] is not None
+    assert row["python_us"] == pytest.approx(row["stages_us"]["accumulate_"]
+                                             - row["stages_us"]["binding"])
+    loop = overhead.measure_overhead("loop_add", providers["loop_add"], CPU, n_tensors=300,
+                                     numel=16)
+    assert loop["status"] == "ok" and loop["stages_us"] is None and loop["host_us"] > 0
+
+
+def test_overhead_records_errors():
+    def broken(dst, src):
+        raise RuntimeError("no")
+    row = overhead.measure_overhead("x", broken, CPU, n_tensors=3, numel=4)
+    assert row["status"] == "error" and "no" in row["error"]
+
+
+def _plot_record(rows):
+    return {"rows": rows, "copy": {"numel": 1 << 20, "gbps": 20.0}, "device_name": "test",
+            "torch": torch.__version__, "config": {"overwrite": False}}
+
+
+def test_write_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"workload": "flat", "numel": n, "gbps": g, "dtype": d, "provider": p}
+            for n, g in ((1 << 20, 5.0), (16 << 20, 8.0)) for d in ("bf16", "fp32")
+            for p in ("loop_add", "accumkernels:cpu")]
+    rows.append({"workload": "gpt2", "numel": 7, "gbps": 1.0, "dtype": "bf16", "provider": "x"})
+    path, msg = report.write_plot(_plot_record(rows), tmp_path / "p.png")
+    assert path == tmp_path / "p.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in msg
+
+
+def test_write_plot_skips_cleanly(tmp_path, monkeypatch):
+    path, msg = report.write_plot(_plot_record([]), tmp_path / "p.png")
+    assert path is None and "no flat" in msg
+    rows = [{"workload": "flat", "numel": 1, "gbps": 1.0, "dtype": "bf16", "provider": "x"}]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    path, msg = report.write_plot(_plot_record(rows), tmp_path / "p.png")
+    assert path is None and "matplotlib is not installed" in msg
+    assert not (tmp_path / "p.png").exists()
+
+
+METADATA = ("schema_version", "date", "argv", "device", "device_name", "device_slug", "gpu_name",
+            "cpu_name", "torch", "triton", "cuda", "python", "git_commit", "git_dirty",
+            "available_backends", "config", "providers", "copy", "rows", "overhead", "plot")
+MAY_REFUSE = ("foreach", "native_grad_dtype")  # torch may refuse: recorded, not converted
+
+
+def _check_rows(record: dict, workloads, dtypes, providers) -> None:
+    got = [(r["workload"], r["dtype"], r["provider"]) for r in record["rows"]]
+    assert sorted(got) == sorted((w, d, p) for w in workloads for d in dtypes for p in providers)
+    for r in record["rows"]:
+        if r["provider"] in MAY_REFUSE and r["status"] == "unsupported":
+            continue
+        assert r["status"] == "ok", r
+        assert r["median_ms"] > 0 and r["gbps"] > 0 and r["frac_copy"] > 0
+        assert r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+        bpe = bench.bytes_per_element(bench.DTYPES[r["dtype"]], r["overwrite"])
+        assert r["bytes"] == bpe * r["numel"]
+        assert r["scale"] == (1.0 if r["provider"] == "native_grad_dtype" else bench.SCALE)
+        for b in bench.BASELINES:
+            assert f"speedup_vs_{b}" in r
+
+
+def test_cli_quick(tmp_path):
+    out = tmp_path / "x.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.accumbench", "--quick", "--device", "cpu", "--threads",
+         "1", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        check=False)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert set(METADATA) <= set(record)
+    assert record["torch_threads"] == record["config"]["threads"] == 1
+    assert record["schema_version"] == 2
+    assert record["device"] == "cpu" and record["gpu_name"] is None
+    assert record["torch"] == torch.__version__
+    assert record["copy"]["gbps"] > 0
+    providers = list(bench.make_providers(CPU))
+    assert list(record["providers"]) == providers
+    _check_rows(record, ["gpt2", "llama7b", "small", "flat"], ["bf16", "fp16", "fp32"], providers)
+    labels = {w["label"]: w for w in record["config"]["workloads"]}
+    assert labels["llama7b-dim1of128"]["n_tensors"] == 291
+    assert labels["llama7b-dim1of128"]["scale"]["dim_divisor"] == 128
+    literal = [r for r in record["rows"] if r["provider"] == "loop_literal"]
+    assert all(r["speedup_vs_loop_literal"] == pytest.approx(1.0) for r in literal)
+    assert "vs literal" in proc.stdout and "vs native" in proc.stdout
+    assert all(p in proc.stdout for p in providers)
+    assert "[1/" in proc.stderr  # progress goes to stderr
+    over = record["overhead"]
+    assert over["config"]["n_tensors"] == 300
+    assert [r["provider"] for r in over["rows"]] == providers
+    assert all(r["host_us"] > 0 for r in over["rows"] if r["status"] == "ok")
+    assert "host overhead per call: 300 tensors" in proc.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert record["plot"] is None and "plot skipped" in proc.stderr
+    else:
+        assert record["plot"] == "x.png" and (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_cli_overwrite_fp16_filtered(tmp_path, capsys):
+    out = tmp_path / "y.json"
+    argv = ["--quick", "--device", "cpu", "--overwrite", "--workloads", "flat", "--dtypes",
+            "fp16", "--flat-numel", "1K,4097", "--providers", "loop_add,accumkernels",
+            "--no-overhead", "--no-plot", "--out", str(out)]
+    assert cli.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["argv"] == argv and record["config"]["overwrite"] is True
+    assert record["config"]["flat_sizes"] == [1024, 4097]
+    assert record["config"]["copy_numel"] == 4097
+    assert record["overhead"] is None and record["plot"] is None
+    assert not out.with_suffix(".png").exists()
+    providers = ["loop_add"] + [p for p in bench.make_providers(CPU) if p.startswith("accum")]
+    rows = record["rows"]
+    assert sorted({r["label"] for r in rows}) == ["flat-1K", "flat-4097"]
+    assert len(rows) == 2 * len(providers)
+    assert all(r["status"] == "ok" and r["bytes"] == 6 * r["numel"] for r in rows)
+    assert "overwrite" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--dtypes", "int8", "--device", "cpu"])
+    assert "unknown dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--flat-numel", "1.5M", "--device", "cpu"])
+    assert "not an element count" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--llama-layers", "33", "--device", "cpu"])
+    assert "1..32" in capsys.readouterr().err
+    assert cli.main(["--quick", "--device", "cpu", "--providers", "nothing"]) == 2
