@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from accumkernels._util import LOW_PRECISION
-from accumkernels.ops.backends import native
+from accumkernels.ops import host
 
 _F32 = torch.float32
 
@@ -83,11 +83,11 @@ def check_lists(op: str, named: dict) -> tuple[dict[str, list], bool]:
 
 
 def lists_plain(lists: dict[str, list]) -> bool:
-    """Every entry plain for the native kernels (native.lists_plain: contiguous, no neg bit, on
+    """Every entry plain for the native kernels (host.lists_plain: contiguous, no neg bit, on
     the first master's device), which implies the rules of check_lists: one C++ pass."""
-    kinds = [native.LIST_STEP if name == "state_steps" else
-             native.LIST_LOW if name == "weights" else native.LIST_FP32 for name in lists]
-    return native.lists_plain(list(lists.values()), kinds)
+    kinds = [host.LIST_STEP if name == "state_steps" else
+             host.LIST_LOW if name == "weights" else host.LIST_FP32 for name in lists]
+    return host.lists_plain(list(lists.values()), kinds)
 
 
 def _lists_ok(lists: dict[str, list]) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from accumkernels.ops import backends
+from accumkernels.ops import host
 from accumkernels._util import check_choice, finite_positive, positive_int
 
 REDUCTIONS = ("sum", "mean", "weighted")
@@ -41,7 +41,7 @@ def make_config(*, accumulation_steps, reduction, master_weights, accumulate_in_
     check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     if not (master_weights is True or master_weights is False or master_weights == "auto"):
         raise ValueError(f"master_weights must be 'auto', True or False; got {master_weights!r}")
-    check_choice("backend", backend, ("auto",) + backends.BACKENDS)
+    check_choice("backend", backend, ("auto",) + host.BACKENDS)
     if not isinstance(accumulate_in_backward, bool):
         raise TypeError(f"accumulate_in_backward must be a bool, got {accumulate_in_backward!r}")
     if not isinstance(independent_ranks, bool):

@@ -22,7 +22,7 @@ import contextlib
 import torch
 
 from accumkernels._util import LOW_PRECISION
-from accumkernels.ops.backends.native import grads_are
+from accumkernels.ops.host import grads_are
 from accumkernels.ops.validate import is_dense
 from accumkernels.buffer import grad_strides
 from accumkernels.ops.master_passes import copy_back_, resync_masters_

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from accumkernels.ops.backends import native
+from accumkernels.ops import host
 from accumkernels.optim.config import Config
 
 
@@ -94,7 +94,7 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros(())
-    if native.lists_plain([grads], [native.LIST_FP32]):  # one device, fp32: get_total_norm's
+    if host.lists_plain([grads], [host.LIST_FP32]):  # one device, fp32: get_total_norm's
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
     else:  # one group, whose per-tensor norms it computes alike, less its grouping and moves
         norm = torch.nn.utils.get_total_norm(grads, 2.0)

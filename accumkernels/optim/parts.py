@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accumkernels.ops import backends
+from accumkernels.ops import host
 from accumkernels._util import WINDOW_DTYPES
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.optim.checkpoint import assemble as checkpoint
@@ -53,7 +53,7 @@ def managed(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def resolve_backends(config, params: list[torch.Tensor]) -> None:
     """An unusable backend fails here, before anything is touched."""
     for device in {p.device for p in params}:
-        backends.resolve(config.backend, device)
+        host.resolve(config.backend, device)
 
 
 class FlatLayout:

@@ -162,60 +162,6 @@ def _start_reader() -> tuple[bool, str]:
 
 READER, READER_NOTE = _start_reader()
 
-# what a list of lists_plain holds
-LIST_FP32, LIST_LOW, LIST_STEP = (0, 1, 2) if _C is None else (_C.LIST_FP32, _C.LIST_LOW,
-                                                                _C.LIST_STEP)
-
-
-def lists_plain(lists: list, kinds: list) -> bool:
-    """Whether every entry of ``lists`` (lists of tensors, ``lists[0]`` the masters of a fused
-    master step) is plain for its list's kind (``LIST_FP32``, ``LIST_LOW``: bf16/fp16,
-    ``LIST_STEP``: fp32 of one element): an exact torch.Tensor/nn.Parameter, contiguous, without
-    the neg bit, on ``lists[0][0]``'s device, of its master's sizes. One pass of the tensor
-    reader (csrc/list_meta.cpp); False when the reader is off, and for anything it cannot read
-    (the caller then applies its own rules, which name a broken one)."""
-    return READER and _C.lists_plain(lists, kinds)
-
-
-_metas_snapshot = getattr(_C, "metas_snapshot", None)
-_metas_same = getattr(_C, "metas_same", None)
-
-
-def metas_snapshot(tensors: list, full: int | None = None) -> bytes:
-    """The tensors' metadata as the tensor reader reads it, one record: of the first ``full``
-    (default: all) the address, numel, sizes, dtype, device and neg bit, of the rest the
-    address only. ``b""`` (compares equal to nothing) when the reader is off or an entry is
-    unreadable, or one of the first ``full`` is not contiguous or of over 8 dims
-    (csrc/list_meta.cpp)."""
-    if not READER or _metas_snapshot is None:
-        return b""
-    return _metas_snapshot(tensors, len(tensors) if full is None else full)
-
-
-def metas_same(tensors: list, snapshot: bytes) -> bool:
-    """Whether ``tensors`` reads now exactly as ``snapshot`` (:func:`metas_snapshot`) recorded
-    it: one pass of the reader; False for ``b""``."""
-    return bool(snapshot) and READER and _metas_same(tensors, snapshot)
-
-
-def grad_hook_types() -> tuple[type, type] | None:
-    """The intake's hooks as C callables (``_C.PreHook``, ``_C.PostHook``,
-    csrc/grad_hooks.cpp), or None where the extension lacks them."""
-    if _C is None or not hasattr(_C, "PreHook"):
-        return None
-    return _C.PreHook, _C.PostHook
-
-
-_grads_are = getattr(_C, "grads_are", None)
-
-
-def grads_are(params: list, views: list) -> bool:
-    """Whether every ``params[i].grad`` is ``views[i]`` (the same object), read once each."""
-    if _grads_are is not None:
-        return _grads_are(params, views)
-    return len(params) == len(views) and all(p.grad is v for p, v in zip(params, views))
-
-
 def _stream(device: torch.device) -> int:
     try:
         return torch._C._cuda_getCurrentRawStream(device.index)

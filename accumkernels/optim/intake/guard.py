@@ -43,8 +43,8 @@ import sys
 
 import torch
 
-from accumkernels.ops import backends
-from accumkernels.ops.backends.native import metas_same, metas_snapshot
+from accumkernels.ops import host
+from accumkernels.ops.host import metas_same, metas_snapshot
 from accumkernels.buffer import grad_strides
 
 
@@ -72,7 +72,7 @@ class Guard:
         layout unchanged and every view aliasing the buffer (else follow, relayout or raise, as
         :meth:`check_all`; outside clears are looked for by the intake). The facts are read
         again each time: one pass of the tensor reader compares them with the record of the
-        last time they were found right (``backends.native.metas_same``); anything it cannot
+        last time they were found right (``ops.host.metas_same``); anything it cannot
         read, or any difference, takes the Python checks, which then record the new facts."""
         watched = self._watched
         if metas_same(watched, self._record):
@@ -189,7 +189,7 @@ def follow_move(parts, layout, intake) -> None:
     masters.follow(old_devices, intake.params)
     _move_state(parts.optimizer, masters, intake.params, old_devices)
     for device in {p.device for p in parts.params}:  # an unusable backend fails here
-        backends.resolve(parts.config.backend, device)
+        host.resolve(parts.config.backend, device)
     window.storage = layout.storage(parts.params, parts.config)
     intake.rebase(window.storage)
     for p, view in zip(intake.params, intake.views):

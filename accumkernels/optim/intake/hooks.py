@@ -17,7 +17,7 @@ import torch
 
 from accumkernels._torch_private import has_post_accumulate_hooks, run_post_accumulate_hook_first
 from accumkernels._util import LOW_PRECISION
-from accumkernels.ops.backends.native import grad_hook_types
+from accumkernels.ops.host import grad_hook_types
 
 HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
 # The pre and post hooks as C callables (csrc/grad_hooks.cpp) where the extension has them: the

@@ -54,7 +54,7 @@ import torch
 
 from accumkernels._torch_private import queue_callback
 from accumkernels._util import LOW_PRECISION
-from accumkernels.ops.backends.native import grads_are
+from accumkernels.ops.host import grads_are
 from accumkernels.buffer import Bucket, MasterGradBuffer
 from accumkernels.optim.intake.backward import EndOfBackward, remove_handles
 from accumkernels.optim.intake.guard import FORGOTTEN_LINE, Guard, pipeline_weight_pass

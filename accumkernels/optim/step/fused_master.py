@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from accumkernels.ops.backends import native
+from accumkernels.ops import host
 from accumkernels.ops.validate import is_dense, same_layout
 from accumkernels.ops.master_passes import resync_masters_
 from accumkernels.ops.master_step import master_adam_step_, master_sgd_step_
@@ -165,7 +165,7 @@ def _as_fused(lists: list[list], ms: list) -> list[list]:
     state made before ``p.data = p.data.t()``) is seen through its master's strides, as they see
     it. (All contiguous, of their masters' sizes, the masters too: as they are, told by one C++
     pass.)"""
-    if native.lists_plain([ms, *lists], [native.LIST_FP32] * (len(lists) + 1)):
+    if host.lists_plain([ms, *lists], [host.LIST_FP32] * (len(lists) + 1)):
         return lists
     return [_as_fused_one(tensors, ms) for tensors in lists]
 

@@ -17,7 +17,7 @@ import torch
 
 from accumkernels._torch_private import takes_grad_scale
 from accumkernels._util import LOW_PRECISION
-from accumkernels.ops.backends.native import grads_are
+from accumkernels.ops.host import grads_are
 from accumkernels.optim.step import fused_master
 from accumkernels.optim import protocol
 from accumkernels.optim.step.closure import closure_step

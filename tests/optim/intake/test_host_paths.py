@@ -18,6 +18,7 @@ import torch.utils.checkpoint as ckpt
 from torch import nn
 
 from accumkernels import AccumulatingOptimizer
+from accumkernels.ops import host
 from accumkernels.ops.backends import native
 from accumkernels.optim.intake import intake as intake_mod
 from accumkernels.optim.intake import hooks as intake_hooks
@@ -198,37 +199,37 @@ def test_metas_record_sees_every_change():
     }
     for what, change in changes.items():
         ts = fresh()
-        record = native.metas_snapshot(ts)
-        assert record and native.metas_same(ts, record), what
+        record = host.metas_snapshot(ts)
+        assert record and host.metas_same(ts, record), what
         change(ts)
-        assert not native.metas_same(ts, record), what
+        assert not host.metas_same(ts, record), what
     ts = fresh()
     ts[0] = ts[0].t()
-    assert native.metas_snapshot(ts) == b""  # (strides are not recorded: not contiguous)
-    assert not native.metas_same(ts, b"")
+    assert host.metas_snapshot(ts) == b""  # (strides are not recorded: not contiguous)
+    assert not host.metas_same(ts, b"")
     ts = fresh()  # the last ones by their address only: their other changes are not seen
-    record = native.metas_snapshot(ts, full=2)
-    assert record and native.metas_same(ts, record)
+    record = host.metas_snapshot(ts, full=2)
+    assert record and host.metas_same(ts, record)
     ts[2].data = ts[2].data.view(4)  # (same address)
-    assert native.metas_same(ts, record)
+    assert host.metas_same(ts, record)
     ts[2].data = torch.zeros(2, 2)
-    assert not native.metas_same(ts, record)
-    assert not native.metas_same(ts[:2], record)
+    assert not host.metas_same(ts, record)
+    assert not host.metas_same(ts[:2], record)
 
 
 def test_grads_are():
     """``grads_are`` is True exactly when every ``.grad`` is its view object."""
     params = [nn.Parameter(torch.zeros(3)) for _ in range(4)]
     views = [torch.zeros(3) for _ in params]
-    assert not native.grads_are(params, views)
+    assert not host.grads_are(params, views)
     for p, v in zip(params, views):
         p.grad = v
-    assert native.grads_are(params, views)
+    assert host.grads_are(params, views)
     params[2].grad = views[2].clone()  # equal values, another object
-    assert not native.grads_are(params, views)
+    assert not host.grads_are(params, views)
     params[2].grad = None
-    assert not native.grads_are(params, views)
-    assert not native.grads_are(params, views[:3])
+    assert not host.grads_are(params, views)
+    assert not host.grads_are(params, views[:3])
 
 
 @pytest.mark.parametrize("hooks", HOOKS, indirect=True)
