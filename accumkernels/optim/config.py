@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from accumkernels.ops import host
-from accumkernels._util import check_choice, finite_positive, positive_int
+from accumkernels._util import LOW_PRECISION, check_choice, finite_positive, positive_int
 
 REDUCTIONS = ("sum", "mean", "weighted")
 NONFINITE_POLICIES = ("skip_step", "skip_microbatch", "raise")
@@ -29,6 +30,19 @@ class Config:
     bucket_size_mb: float
     backend: str
     independent_ranks: bool
+
+    @property
+    def weighted(self) -> bool:
+        """``reduction="weighted"``: the window is divided by the reported weights."""
+        return self.reduction == "weighted"
+
+    def with_masters(self, params) -> Config:
+        """This config with ``master_weights="auto"`` resolved for ``params`` (True when any is
+        bf16/fp16): what ``opt.master_weights`` answers."""
+        if self.master_weights != "auto":
+            return self
+        low = any(p.dtype in LOW_PRECISION for p in params)
+        return dataclasses.replace(self, master_weights=low)
 
 
 def make_config(*, accumulation_steps, reduction, master_weights, accumulate_in_backward,

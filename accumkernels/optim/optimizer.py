@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from accumkernels._engines import refuse_foreign_engines
-from accumkernels._util import LOW_PRECISION, finite_positive
+from accumkernels._util import finite_positive
 from accumkernels.checks import check_model
 from accumkernels.optim import protocol
 from accumkernels.optim.config import make_config
@@ -91,7 +91,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             Accelerate optimizer and Lightning, which call ``step()`` only at window ends.
         reduction: ``"sum"`` (native accumulation, in fp32), ``"mean"`` (divide by the
             micro-batches kept) or ``"weighted"`` (divide by the ``add_weight`` total).
-        master_weights: ``"auto"`` (True when any param is bf16/fp16), True or False.
+        master_weights: ``"auto"`` (True when any param is bf16/fp16), True or False;
+            ``opt.master_weights`` answers what it resolved to.
         accumulate_in_backward: move gradients with fused launches during backward (True) or
             let autograd keep them in ``.grad`` until ``accumulate()``/``step()`` (False).
         max_grad_norm: global-norm clipping at the step; ``last_grad_norm`` reports it.
@@ -126,6 +127,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "model": model, "process_group": process_group, "nonfinite": nonfinite,
             "accumulate_in_backward": accumulate_in_backward})
         params = managed(optimizer)
+        config = config.with_masters(params)  # (opt.master_weights answers True or False)
         refuse_foreign_engines(params, model=model, optimizer=optimizer)  # DeepSpeed, FSDP1
         layout.check(params)  # stray DTensor params: refused before any state is built
         # torch.optim.Optimizer.__init__ would build its own param_groups and patch step() to
@@ -139,8 +141,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if model is not None:
             check_model(model)
             refuse_sparse_modules(model)
-        masters = MasterWeights(optimizer, master_weights == "auto" and any(
-            p.dtype in LOW_PRECISION for p in params) or master_weights is True)
+        masters = MasterWeights(optimizer, config.master_weights)
         self._parts = Parts(config, optimizer, names, masters, None, LossScaler(config.loss_scale),
                             OutsideParams(optimizer))
         self._events = _Events()
@@ -271,8 +272,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     @property
     def sync_step(self) -> bool:
         """Whether ``step()`` now ends the window (a real optimizer step)."""
-        n = self.config.accumulation_steps
-        return n is None or self.micro_steps >= n
+        return self._parts.window.step_ends_it(self._intake.unmoved)
 
     skipped_steps = property(lambda self: self._parts.nonfinite.skipped_steps)
     skipped_microbatches = property(lambda self: self._parts.nonfinite.skipped_microbatches)
@@ -318,7 +318,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def add_weight(self, weight: float | torch.Tensor) -> None:
         """Report the weight (e.g. token count) of a micro-batch whose loss is a sum."""
-        if self.config.reduction != "weighted":
+        if not self.config.weighted:
             raise ValueError(
                 f"add_weight() needs reduction='weighted' (this one is {self.config.reduction!r})")
         parts = self._parts

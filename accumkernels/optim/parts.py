@@ -106,7 +106,7 @@ def build_rooms(parts: Parts, layout, params: list[torch.Tensor], events, proces
         parts.window = window
         parts.nonfinite = NonFinite(config, next(iter(storage.buffers), torch.device("cpu")))
     else:
-        parts.window.storage = storage
+        parts.window.rebase(storage)
         parts.sync.rebind(parts.window, params)
     parts.masters.retarget(params)
     parts.params = params

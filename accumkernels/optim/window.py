@@ -50,6 +50,7 @@ class Window:
         self._fuse_inexact_mean = fuse_inexact_mean
         self._mean = config.reduction == "mean"
         self._reduction = config.reduction
+        self._weighted = config.weighted
         self.storage = storage
         self.boundary_only: bool | None = None
         self.reset()
@@ -95,6 +96,23 @@ class Window:
     def complete(self) -> bool:
         """N micro-batches (or more) are in the window."""
         return self._n is not None and self.micro_steps >= self._n
+
+    @property
+    def length_given(self) -> bool:
+        """Whether N (``accumulation_steps``) is known: the window is complete at N backwards."""
+        return self._n is not None
+
+    def complete_with(self, more: int) -> bool:
+        """Whether ``more`` backwards not counted yet (left in ``.grad``) complete the window."""
+        return self._n is not None and self.micro_steps + more >= self._n
+
+    def step_ends_it(self, more: int = 0) -> bool:
+        """Whether ``step()`` now ends the window (N None, or N in with ``more`` uncounted)."""
+        return self._n is None or self.micro_steps + more >= self._n
+
+    def completing(self) -> bool:
+        """Whether the backward now running (not counted yet) is the window's N-th."""
+        return self._n is not None and self.micro_steps == self._n - 1
 
     def holds(self, p: torch.Tensor) -> bool:
         """Whether p's view holds data of this window."""
@@ -153,7 +171,7 @@ class Window:
 
     def weights_pending(self) -> bool:
         """``weighted``: a micro-batch of the window has no weight yet (reported after it)."""
-        return self._reduction == "weighted" and len(self.weights) < self.micro_steps
+        return self._weighted and len(self.weights) < self.micro_steps
 
     def local_weight(self) -> float:
         return sum(w for i, w in enumerate(self.weights) if i not in self.dropped)
@@ -193,7 +211,7 @@ class Window:
 
     def needs_weights(self, force: bool, sync_step: bool) -> bool:
         """``reduction="weighted"`` at a step with kept micro-batches but no weight reported."""
-        return self._reduction == "weighted" and bool(self.kept) and self.local_weight() <= 0 \
+        return self._weighted and bool(self.kept) and self.local_weight() <= 0 \
             and (force or sync_step or bool(self.boundary_only))
 
     # -- the storage's scale ---------------------------------------------------------------------
@@ -211,6 +229,15 @@ class Window:
         if totals is not None and totals.averaged:  # DDP averaged (not summed) the window
             target /= totals.world
         return target
+
+    def normalised_outside(self, target: float) -> None:
+        """Someone else divided the storage (the inner optimizer wrote the divided gradients
+        back): it holds ``sum(g) / target`` now."""
+        self.divisor = target
+
+    def rebase(self, storage) -> None:
+        """The same params' window in new storage (rebuilt for more params, or after a move)."""
+        self.storage = storage
 
     def normalise(self, target: float | None) -> None:
         """Rescale the storage so it holds ``sum(g) / target``."""

@@ -235,3 +235,20 @@ def test_failed_construction_leaves_the_params_untouched():
         assert not hasattr(p, "main_grad"), f"{name}.main_grad set by a failed construction"
         assert not hasattr(p, "accumkernels_slot"), f"{name} slot set by a failed construction"
     assert count_hooks(model) == 0
+
+
+@pytest.mark.parametrize("dtype, want", [(torch.bfloat16, True), (torch.float16, True),
+                                         (torch.float32, False)])
+def test_master_weights_auto_answers_what_it_resolved_to(dtype, want):
+    """``master_weights="auto"`` is resolved once, at construction: ``opt.master_weights`` is
+    True for a bf16/fp16 model and False for an fp32 one, and the fp32 masters exist exactly
+    then."""
+    model = torch.nn.Linear(3, 2).to(dtype)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert opt.master_weights is want
+    masters = opt.master_params
+    assert bool(masters) is want
+    assert all(m.dtype == torch.float32 and m is not p for m, p in zip(masters, model.parameters()))
+    explicit = AccumulatingOptimizer(torch.optim.SGD(torch.nn.Linear(3, 2).to(dtype).parameters(),
+                                                     lr=0.1), master_weights=False)
+    assert explicit.master_weights is False

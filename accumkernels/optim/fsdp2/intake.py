@@ -93,7 +93,7 @@ class ShardedIntake:
             self.handles.append(module.register_forward_hook(_forward_hook(me)))
         for i, p in enumerate(params):
             self.handles.append(p.register_post_accumulate_grad_hook(_post_hook(me, i)))
-        if root is not None and parts.config.accumulation_steps is None:
+        if root is not None and not parts.window.length_given:
             # every step() ends a window: the mesh meets before each forward's all-gather
             # (MeshSync.forward_begins), ahead of FSDP2's own pre-forward hook
             self.handles.append(root.register_forward_pre_hook(_pre_forward_hook(parts),

@@ -309,7 +309,7 @@ class ShardedLayout:
         return ShardedIntake(parts, storage, events, self.groups, self.modules, root=self.model)
 
     def sync(self, config, process_group, ddp, window, params) -> MeshSync:
-        weighted = config.reduction == "weighted"
+        weighted = config.weighted
         if weighted:  # the wrapper owns the normalisation: FSDP2 sums over ranks
             for module in self.modules:
                 module.set_gradient_divide_factor(1.0)

@@ -190,7 +190,7 @@ def follow_move(parts, layout, intake) -> None:
     _move_state(parts.optimizer, masters, intake.params, old_devices)
     for device in {p.device for p in parts.params}:  # an unusable backend fails here
         host.resolve(parts.config.backend, device)
-    window.storage = layout.storage(parts.params, parts.config)
+    window.rebase(layout.storage(parts.params, parts.config))
     intake.rebase(window.storage)
     for p, view in zip(intake.params, intake.views):
         if id(p) in held:

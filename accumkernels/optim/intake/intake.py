@@ -396,8 +396,7 @@ class Intake:
         self.bucket_moved(bucket)
 
     def bucket_moved(self, bucket: Bucket) -> None:
-        n = self.config.accumulation_steps
-        self.sync.bucket_moved(bucket, n is not None and self.window.micro_steps == n - 1)
+        self.sync.bucket_moved(bucket, self.window.completing())
 
     def move(self, params: list[torch.Tensor], grads: list[torch.Tensor],
              ids: list[int] | None = None) -> None:

@@ -30,8 +30,7 @@ class Unmoved:
         """A backward whose gradients stay in ``.grad``."""
         intake = self.intake
         self.count += 1  # counted when moved: the non-finite check sees its gradients
-        n = intake.config.accumulation_steps
-        if n is not None and intake.window.micro_steps + self.count >= n:
+        if intake.window.complete_with(self.count):
             self.move()  # the N-th backward: .grad shows the complete window
         else:
             self.grads = {i: p.grad for i, (p, view) in enumerate(
@@ -51,7 +50,7 @@ class Unmoved:
         cleared = [i for i in refs if params[i].grad is None]
         if not cleared:
             return
-        if self.intake.config.accumulation_steps is None:
+        if not self.intake.window.length_given:
             if len(cleared) == len(refs) and not any(
                     p.grad is not None and p.grad is not v for p, v in zip(params, views)):
                 self.count = 0  # every unmoved gradient is gone: no backward left to count

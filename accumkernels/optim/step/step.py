@@ -223,7 +223,7 @@ class Step:
         # torch step over params without masters writes its share back divided
         write_grad = not one_pass or fused_master.any_rest(self.optimizer, self.masters)
         if d.fold and write_grad:
-            self.window.divisor = d.target  # the inner optimizer writes the divided grads back
+            self.window.normalised_outside(d.target)  # the inner optimizer wrote them back
         run = None
         if one_pass:
             run = lambda: fused_master.step(self.optimizer, self.masters,  # noqa: E731
@@ -253,9 +253,7 @@ class Step:
     def due(self) -> bool:
         """Whether the next ``step()`` ends this window (a real step that takes part in a norm
         round)."""
-        n = self.config.accumulation_steps
-        complete = n is None or self.window.micro_steps + self.intake.unmoved >= n
-        return complete and not self.window.empty
+        return self.window.step_ends_it(self.intake.unmoved) and not self.window.empty
 
     def pending_factor(self) -> float:
         """What the step still multiplies the measured norm by: the window holds sum / divisor,

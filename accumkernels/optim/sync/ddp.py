@@ -210,6 +210,6 @@ def ddp_sync_for(current, group, config, window, params, flush, found_inf) -> DD
             "'skip_microbatch' (DDP reduces each gradient during the backward, before a "
             "micro-batch could be dropped)")
     sync = DDPSync(group, window, params, flush, found_inf,
-                   weighted=config.reduction == "weighted")
+                   weighted=config.weighted)
     sync.stage_norm = current.stage_norm  # (clip_across_stages before DDP was met)
     return sync

@@ -365,5 +365,5 @@ def make_sync(config, process_group, ddp, window, params):
         if ddp is not None:
             raise ValueError(BOTH_REDUCE)
         return GroupSync(process_group, window, params,
-                         weighted=config.reduction == "weighted")
+                         weighted=config.weighted)
     return LocalSync(config.independent_ranks)
