@@ -142,7 +142,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             check_model(model)
             refuse_sparse_modules(model)
         masters = MasterWeights(optimizer, config.master_weights)
-        self._parts = Parts(config, optimizer, names, masters, None, LossScaler(config.loss_scale),
+        self._parts = Parts(config, optimizer, names, masters, LossScaler(config.loss_scale),
                             OutsideParams(optimizer))
         self._events = _Events()
         self._intake = self._step = None
@@ -170,7 +170,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if old is not None and parts.sync.stage_norm is not None:
             parts.sync.stage_norm.replace(old, self._step)
         weakref.finalize(self, remove_handles, self._intake.handles)  # hooks go with the wrapper
-        attach_slots(self, self._intake, params, self._parts.nonfinite.per_microbatch)
+        attach_slots(self, self._intake, params, self._parts.nonfinite.per_microbatch,
+                     self._sync_for_ddp)
 
     def _sync_for_ddp(self, group):
         """DDP reduces this window over ``group`` (met at construction or at its first sync)."""

@@ -11,7 +11,9 @@ so the face never subclasses or swaps its class.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -19,29 +21,53 @@ from accumkernels.ops import host
 from accumkernels._util import WINDOW_DTYPES
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.optim.checkpoint import assemble as checkpoint
+from accumkernels.optim.config import Config
 from accumkernels.optim.fsdp2.recipe import is_sharded, refuse_sharded
 from accumkernels.optim.intake.intake import Intake
+from accumkernels.optim.masters import MasterWeights
 from accumkernels.optim.nonfinite import NonFinite
+from accumkernels.optim.outside import OutsideParams
+from accumkernels.optim.scaling import LossScaler
 from accumkernels.optim.step.step import Step, flat_norm
 from accumkernels.optim.sync.local import make_sync
+from accumkernels.optim.sync.protocol import Sync
 from accumkernels.optim.window import Window
 from accumkernels.slot import SLOT_ATTR
 
 
-@dataclass
+@dataclass(slots=True)
 class Parts:
-    """The rooms a wrapper is made of (see the face's docstring for the map)."""
+    """The rooms a wrapper is made of (see the face's docstring for the map). Slots: a room
+    cannot grow an attribute nobody declared here."""
 
-    config: object
+    config: Config
     optimizer: torch.optim.Optimizer
     names: dict[int, str]
-    masters: object
-    nonfinite: object
-    scaler: object
-    outside: object
+    masters: MasterWeights
+    scaler: LossScaler
+    outside: OutsideParams
+    nonfinite: NonFinite | None = None  # built with the first storage (its device)
     params: list[torch.Tensor] = field(default_factory=list)
-    window: object = None
-    sync: object = None
+    window: Window | None = None
+    sync: Sync | None = None
+    show_window: bool = False  # state_dict() holds every view, also at a window boundary
+
+
+class Layout(Protocol):
+    """What differs between the flat fp32 buffer and FSDP2's sharded window (FlatLayout,
+    fsdp2.layout.ShardedLayout): the face and build_rooms ask only this."""
+
+    can_fold: bool  # the step may fold its factors into one pass over the flat buffers
+    fuses_inexact_mean: bool  # "mean" with any N fuses 1/N into the adds (window.py)
+    measure: Callable
+    checkpoint: object  # the module that assembles and restores the state dict
+
+    def check(self, params: list[torch.Tensor]) -> None: ...
+    def storage(self, params: list[torch.Tensor], config: Config): ...
+    def show(self, params: list[torch.Tensor], storage) -> None: ...
+    def intake(self, parts: Parts, storage, events, outside: list[torch.Tensor]): ...
+    def sync(self, config: Config, process_group, ddp, window: Window,
+             params: list[torch.Tensor]) -> Sync: ...
 
 
 def managed(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -84,7 +110,7 @@ class FlatLayout:
         return make_sync(config, process_group, ddp, window, params)
 
 
-def layout_for(optimizer, model, kwargs: dict):
+def layout_for(optimizer, model, kwargs: dict) -> Layout:
     """FSDP2's layout when the inner optimizer holds DTensor params, else the flat one."""
     if is_sharded(optimizer):
         from accumkernels.optim.fsdp2.layout import ShardedLayout  # imports FSDP2's modules
@@ -92,7 +118,8 @@ def layout_for(optimizer, model, kwargs: dict):
     return FlatLayout()
 
 
-def build_rooms(parts: Parts, layout, params: list[torch.Tensor], events, process_group=None):
+def build_rooms(parts: Parts, layout: Layout, params: list[torch.Tensor], events,
+                process_group=None):
     """(Re)build the storage, window, sync, intake and step for the managed ``params``; returns
     the intake and the step. A rebuild (``add_param_group``, between windows) keeps the window's
     bookkeeping (the caller's cadence) and the sync (rebound to the new storage)."""
@@ -120,10 +147,17 @@ def build_rooms(parts: Parts, layout, params: list[torch.Tensor], events, proces
 class Slot:
     """The wrapper's side of the slot protocol (accumkernels.slot); holds its owner weakly."""
 
-    def __init__(self, owner, intake: Intake, per_microbatch: bool):
+    def __init__(self, owner, intake: Intake, per_microbatch: bool, sync_for_ddp: Callable):
         self._owner = weakref.ref(owner)
         self._intake = weakref.ref(intake)
         self._per_microbatch = per_microbatch
+        self._sync_for_ddp = weakref.WeakMethod(sync_for_ddp)
+
+    def ddp_sync(self, group) -> Sync | None:
+        """The owner's sync for DDP's ``group`` (met at its first sync backward), or None once
+        the owner is gone: the DDP comm hook's way to the window."""
+        sync_for_ddp = self._sync_for_ddp() if self._owner() is not None else None
+        return None if sync_for_ddp is None else sync_for_ddp(group)
 
     @property
     def owner(self):
@@ -146,14 +180,16 @@ class Slot:
 
 def _dead_slot() -> Slot:
     slot = Slot.__new__(Slot)
-    slot._owner = slot._intake = lambda: None
+    slot._owner = slot._intake = slot._sync_for_ddp = lambda: None
     slot._per_microbatch = False
     return slot
 
 
-def attach_slots(owner, intake: Intake, params: list[torch.Tensor], per_microbatch: bool):
-    """Every managed param carries the slot fused weight-gradient kernels write through."""
-    slot = Slot(owner, intake, per_microbatch)
+def attach_slots(owner, intake: Intake, params: list[torch.Tensor], per_microbatch: bool,
+                 sync_for_ddp: Callable):
+    """Every managed param carries the slot fused weight-gradient kernels (and DDP's comm hook)
+    reach the window through."""
+    slot = Slot(owner, intake, per_microbatch, sync_for_ddp)
     for p in params:
         setattr(p, SLOT_ATTR, slot)
 

@@ -114,7 +114,7 @@ def assemble(parts, intake, agree=None) -> dict:
     extra = {id(p): {MASTER_KEY: m.detach()} for p, m in zip(parts.masters.model_params,
                                                             parts.masters.master_list())}
     window = parts.window
-    if not window.empty or getattr(parts, "show_window", False):
+    if not window.empty or parts.show_window:
         for p, view in zip(parts.params, intake.views):  # a copy: a tool loading into this
             extra.setdefault(id(p), {})[WINDOW_KEY] = (  # dict as a template writes it before
                 view.detach().clone() if not window.empty  # load_state_dict, while DCP's state
@@ -142,8 +142,7 @@ def assemble(parts, intake, agree=None) -> dict:
 def showing_window(parts):
     """``state_dict()`` inside the block holds every param's window also at a window boundary
     (zeros): the template a checkpoint taken in the middle of a window loads into."""
-    before = getattr(parts, "show_window", False)
-    parts.show_window = True
+    before, parts.show_window = parts.show_window, True
     try:
         yield
     finally:

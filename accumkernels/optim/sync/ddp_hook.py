@@ -61,11 +61,11 @@ def ddp_comm_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
     for p in bucket.parameters():
         slot = get_slot(p)
         owner = slot.owner if slot is not None else None
-        if owner is None or not hasattr(owner, "_sync_for_ddp"):
+        if owner is None or not hasattr(slot, "ddp_sync"):  # (not a window DDP can reduce)
             native = True
             continue
-        owners.setdefault(id(owner), (owner, []))[1].append(p)
-    futures = [owner._sync_for_ddp(group).reduce(params) for owner, params in owners.values()]
+        owners.setdefault(id(owner), (slot, []))[1].append(p)
+    futures = [slot.ddp_sync(group).reduce(params) for slot, params in owners.values()]
     buffer = bucket.buffer()
     if native:  # DDP's own semantics for the rest: average the bucket (DDP writes it back)
         buffer.div_(dist.get_world_size(group))
