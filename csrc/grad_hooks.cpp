@@ -7,21 +7,24 @@
 // (attribute reads and writes, dict and set updates) and call the intake's Python method for
 // everything else, so the Python method stays the one definition of what a hook does:
 //
-// * PreHook(intake_ref, i, param_ref, views, hidden): in a backward the fast case applies to
-//   (`intake._fast`, see fast_open), p.grad None: nothing; p.grad its view (views[i]): p.grad =
-//   None and i added to `hidden`. Otherwise `intake.before_grad(i, grad)`.
-// * PostHook(intake_ref, i, shown, views, hidden, master, pending, flushed, bucket,
-//   bucket_len): in such a backward, p.grad a gradient (not None, not the view): p.grad =
-//   shown[i], i dropped from `hidden`, p's master (if any) shows the view, the gradient held in
-//   `pending[bucket][i]` (added to one held already: reentrant checkpointing), and
-//   `intake.launch_held(bucket, pend)` once the bucket is complete (launch_held, or the end of
-//   the backward finding gradients held, counts the backward as a micro-batch). Otherwise
-//   `intake.after_grad(i, p)`.
+// What a hook shares with the intake is one small object, `state` (a HookState of
+// accumkernels/optim/intake/moves.py): `state.fast` says whether the fast case applies (see
+// fast_open); its containers (`views`, `showable`, `hidden`, `pending`, `flushed`) are read once
+// at construction: the intake updates them in place and never replaces them.
+//
+// * PreHook(intake_ref, state, i, param_ref): in a backward the fast case applies to,
+//   p.grad None: nothing; p.grad its view (views[i]): p.grad = None and i added to `hidden`.
+//   Otherwise `intake.before_grad(i, grad)`.
+// * PostHook(intake_ref, state, i, master, bucket, bucket_len): in such a backward, p.grad a
+//   gradient (not None, not the view): p.grad = showable[i], i dropped from `hidden`, p's master
+//   (if any) shows the view, the gradient held in `pending[bucket][i]` (added to one held
+//   already: reentrant checkpointing), and `intake.launch_held(bucket, pend)` once the bucket is
+//   complete (launch_held, or the end of the backward finding gradients held, counts the
+//   backward as a micro-batch). Otherwise `intake.after_grad(i, p)`.
 // The fast case is set per backward by Intake._begin: the views shown as the hooks go, no
 // create_graph (grad mode off inside the backward), no DDP, no per-micro-batch check; inside
 // it every gradient is dense only if the launch finds it so (Intake.launch_held names a sparse
-// one). The lists, sets and dicts are the intake's own objects, which it updates in place.
-// Both hold the intake and the param weakly (a hook on a param that held it would keep it
+// one). Both hold the intake and the param weakly (a hook on a param that held it would keep it
 // alive through autograd's C++ side, where no Python collector sees the cycle).
 #include <pybind11/pybind11.h>
 #include <structmember.h>
@@ -33,6 +36,11 @@ namespace {
 
 PyObject* s_grad = nullptr;
 PyObject* s_fast = nullptr;
+PyObject* s_views = nullptr;
+PyObject* s_showable = nullptr;
+PyObject* s_hidden = nullptr;
+PyObject* s_pending = nullptr;
+PyObject* s_flushed = nullptr;
 PyObject* s_before_grad = nullptr;
 PyObject* s_after_grad = nullptr;
 PyObject* s_launch_held = nullptr;
@@ -46,12 +54,12 @@ PyObject* deref(PyObject* ref) {
   return obj;
 }
 
-// Whether the hooks' fast case applies now: `intake._fast` is the weakref to the open
+// Whether the hooks' fast case applies now: `state.fast` is the weakref to the open
 // backward's final callback (set by Intake._begin when the fast case applies to the whole
 // backward, None otherwise) and that callback is still alive (a backward that raised drops
 // it). 1 yes, 0 no, -1 error.
-int fast_open(PyObject* intake) {
-  PyObject* ref = PyObject_GetAttr(intake, s_fast);
+int fast_open(PyObject* state) {
+  PyObject* ref = PyObject_GetAttr(state, s_fast);
   if (ref == nullptr) return -1;
   int open = 0;
   if (PyWeakref_Check(ref)) {
@@ -83,6 +91,18 @@ PyObject* finish(int done, PyObject* intake, PyObject* method, PyObject* index, 
   Py_RETURN_NONE;
 }
 
+// state.<name> as a new reference of `type` (a container the intake never replaces), or
+// nullptr with a TypeError.
+PyObject* shared(PyObject* state, PyObject* name, PyTypeObject* type) {
+  PyObject* obj = PyObject_GetAttr(state, name);
+  if (obj != nullptr && !PyObject_TypeCheck(obj, type)) {
+    PyErr_Format(PyExc_TypeError, "accumkernels grad hook: state.%U must be a %s", name,
+                 type->tp_name);
+    Py_CLEAR(obj);
+  }
+  return obj;
+}
+
 // The param index of a hook (a non-negative int), or -1 with an exception.
 Py_ssize_t index_of(PyObject* index) {
   const Py_ssize_t i = PyLong_AsSsize_t(index);
@@ -95,6 +115,7 @@ struct PreHook {
   PyObject_HEAD
   vectorcallfunc vectorcall;
   PyObject* intake_ref;
+  PyObject* state;  // the HookState shared with the intake
   PyObject* index;  // i as a Python int
   Py_ssize_t i;
   PyObject* param_ref;
@@ -112,8 +133,8 @@ PyObject* item(PyObject* list, Py_ssize_t i) {
 }
 
 // The fast case; 1 done, 0 not taken (nothing changed), -1 error.
-int pre_fast(PreHook* self, PyObject* intake) {
-  const int open = fast_open(intake);
+int pre_fast(PreHook* self) {
+  const int open = fast_open(self->state);
   if (open <= 0) return open;
   PyObject* param = deref(self->param_ref);
   if (param == nullptr) return 0;
@@ -140,24 +161,30 @@ PyObject* pre_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf, Py
   if (!one_argument(nargsf, kwnames, "PreHook (the gradient)")) return nullptr;
   PyObject* intake = deref(self->intake_ref);
   if (intake == nullptr) Py_RETURN_NONE;
-  return finish(pre_fast(self, intake), intake, s_before_grad, self->index, args[0]);
+  return finish(pre_fast(self), intake, s_before_grad, self->index, args[0]);
 }
 
 int pre_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<PreHook*>(obj);
-  PyObject *intake_ref, *index, *param_ref, *views, *hidden;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &_PyWeakref_RefType, &intake_ref, &PyLong_Type,
-                        &index, &_PyWeakref_RefType, &param_ref, &PyList_Type, &views,
-                        &PySet_Type, &hidden))
+  PyObject *intake_ref, *state, *index, *param_ref;
+  if (!PyArg_ParseTuple(args, "O!OO!O!", &_PyWeakref_RefType, &intake_ref, &state, &PyLong_Type,
+                        &index, &_PyWeakref_RefType, &param_ref))
     return -1;
   self->i = index_of(index);
   if (self->i < 0) return -1;
+  PyObject* views = shared(state, s_views, &PyList_Type);
+  PyObject* hidden = views == nullptr ? nullptr : shared(state, s_hidden, &PySet_Type);
+  if (hidden == nullptr) {
+    Py_XDECREF(views);
+    return -1;
+  }
   self->vectorcall = pre_vectorcall;
   Py_XSETREF(self->intake_ref, Py_NewRef(intake_ref));
+  Py_XSETREF(self->state, Py_NewRef(state));
   Py_XSETREF(self->index, Py_NewRef(index));
   Py_XSETREF(self->param_ref, Py_NewRef(param_ref));
-  Py_XSETREF(self->views, Py_NewRef(views));
-  Py_XSETREF(self->hidden, Py_NewRef(hidden));
+  Py_XSETREF(self->views, views);
+  Py_XSETREF(self->hidden, hidden);
   return 0;
 }
 
@@ -165,6 +192,7 @@ void pre_dealloc(PyObject* obj) {
   auto* self = reinterpret_cast<PreHook*>(obj);
   PyTypeObject* type = Py_TYPE(obj);
   Py_CLEAR(self->intake_ref);
+  Py_CLEAR(self->state);
   Py_CLEAR(self->index);
   Py_CLEAR(self->param_ref);
   Py_CLEAR(self->views);
@@ -193,6 +221,7 @@ struct PostHook {
   PyObject_HEAD
   vectorcallfunc vectorcall;
   PyObject* intake_ref;
+  PyObject* state;  // the HookState shared with the intake
   PyObject* index;
   Py_ssize_t i;
   PyObject* shown;  // per param what p.grad shows once its gradient is held (a list, in place)
@@ -207,7 +236,7 @@ struct PostHook {
 
 // The fast case; 1 done, 0 not taken (nothing changed), -1 error.
 int post_fast(PostHook* self, PyObject* intake, PyObject* param) {
-  const int open = fast_open(intake);
+  const int open = fast_open(self->state);
   if (open <= 0) return open;
   PyObject* view = item(self->views, self->i);  // borrowed
   if (view == nullptr) return -1;
@@ -288,24 +317,35 @@ PyObject* post_vectorcall(PyObject* obj, PyObject* const* args, size_t nargsf,
 
 int post_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<PostHook*>(obj);
-  PyObject *intake_ref, *index, *shown, *views, *hidden, *master, *pending, *flushed, *bucket;
+  PyObject *intake_ref, *state, *index, *master, *bucket;
   Py_ssize_t bucket_len;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!O!O!n", &_PyWeakref_RefType, &intake_ref,
-                        &PyLong_Type, &index, &PyList_Type, &shown, &PyList_Type, &views,
-                        &PySet_Type, &hidden, &master, &PyDict_Type, &pending, &PyDict_Type,
-                        &flushed, &PyLong_Type, &bucket, &bucket_len))
+  if (!PyArg_ParseTuple(args, "O!OO!OO!n", &_PyWeakref_RefType, &intake_ref, &state,
+                        &PyLong_Type, &index, &master, &PyLong_Type, &bucket, &bucket_len))
     return -1;
   self->i = index_of(index);
   if (self->i < 0) return -1;
+  PyObject* shown = shared(state, s_showable, &PyList_Type);
+  PyObject* views = shown == nullptr ? nullptr : shared(state, s_views, &PyList_Type);
+  PyObject* hidden = views == nullptr ? nullptr : shared(state, s_hidden, &PySet_Type);
+  PyObject* pending = hidden == nullptr ? nullptr : shared(state, s_pending, &PyDict_Type);
+  PyObject* flushed = pending == nullptr ? nullptr : shared(state, s_flushed, &PyDict_Type);
+  if (flushed == nullptr) {
+    Py_XDECREF(shown);
+    Py_XDECREF(views);
+    Py_XDECREF(hidden);
+    Py_XDECREF(pending);
+    return -1;
+  }
   self->vectorcall = post_vectorcall;
   Py_XSETREF(self->intake_ref, Py_NewRef(intake_ref));
+  Py_XSETREF(self->state, Py_NewRef(state));
   Py_XSETREF(self->index, Py_NewRef(index));
-  Py_XSETREF(self->shown, Py_NewRef(shown));
-  Py_XSETREF(self->views, Py_NewRef(views));
-  Py_XSETREF(self->hidden, Py_NewRef(hidden));
+  Py_XSETREF(self->shown, shown);
+  Py_XSETREF(self->views, views);
+  Py_XSETREF(self->hidden, hidden);
   Py_XSETREF(self->master, Py_NewRef(master));
-  Py_XSETREF(self->pending, Py_NewRef(pending));
-  Py_XSETREF(self->flushed, Py_NewRef(flushed));
+  Py_XSETREF(self->pending, pending);
+  Py_XSETREF(self->flushed, flushed);
   Py_XSETREF(self->bucket, Py_NewRef(bucket));
   self->bucket_len = bucket_len;
   return 0;
@@ -315,6 +355,7 @@ void post_dealloc(PyObject* obj) {
   auto* self = reinterpret_cast<PostHook*>(obj);
   PyTypeObject* type = Py_TYPE(obj);
   Py_CLEAR(self->intake_ref);
+  Py_CLEAR(self->state);
   Py_CLEAR(self->index);
   Py_CLEAR(self->shown);
   Py_CLEAR(self->views);
@@ -365,8 +406,11 @@ int grads_are(PyObject* params, PyObject* views) {
 
 void bind_grad_hooks(pybind11::module_& m) {
   namespace py = pybind11;
-  const char* names[] = {"grad", "_fast", "before_grad", "after_grad", "launch_held", "add_"};
-  PyObject** slots[] = {&s_grad, &s_fast, &s_before_grad, &s_after_grad, &s_launch_held,
+  const char* names[] = {"grad",    "fast",    "views",       "showable",   "hidden",
+                         "pending", "flushed", "before_grad", "after_grad", "launch_held",
+                         "add_"};
+  PyObject** slots[] = {&s_grad,    &s_fast,    &s_views,       &s_showable,   &s_hidden,
+                        &s_pending, &s_flushed, &s_before_grad, &s_after_grad, &s_launch_held,
                         &s_add_};
   for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); ++k) {
     *slots[k] = PyUnicode_InternFromString(names[k]);

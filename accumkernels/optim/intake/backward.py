@@ -8,8 +8,29 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 
 from accumkernels._torch_private import current_autograd_node, queue_callback
+
+
+@dataclass(slots=True)
+class Running:
+    """Where an intake's current backward stands."""
+
+    active: bool = False  # inside a backward that touched the intake's params
+    deferred: bool = False  # ... waiting for the outer backward to end (a nested one)
+    got_grad: bool = False  # an AccumulateGrad (or a fused write) ran in it: a micro-batch
+    end_ref: object = None  # weakref to its final callback (dropped when the backward raised)
+    show_now: bool = False  # its post hooks show each view as they go
+    shown_at_begin: bool = False  # when it began, every param showed what expose() shows
+
+    def starting(self) -> bool:
+        """Whether a hook now begins a backward: none runs, or the last one raised."""
+        return not self.active or (not self.deferred and self.end_ref() is None)
+
+    def raised(self) -> bool:
+        """Whether the running backward raised (its final callback was dropped unrun)."""
+        return self.active and not self.deferred and self.end_ref() is None
 
 
 class EndOfBackward:

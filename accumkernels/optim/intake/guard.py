@@ -43,9 +43,9 @@ import sys
 
 import torch
 
+from accumkernels.buffer import grad_strides
 from accumkernels.ops import host
 from accumkernels.ops.host import metas_same, metas_snapshot
-from accumkernels.buffer import grad_strides
 
 
 class Guard:

@@ -37,12 +37,12 @@ def install_hooks(intake, params: list[torch.Tensor], outside) -> list:
         user_hooks = has_post_accumulate_hooks(p)  # registered before wrapping
         if C_HOOKS is not None:
             pre_type, post_type = C_HOOKS
-            pre = pre_type(me, i, weakref.ref(p), intake.views, intake.hidden)
+            bucket = intake.moves.bucket_index[i]
+            pre = pre_type(me, intake.state, i, weakref.ref(p))
             # (with the user's hooks the Python one: front_grad's early moves are its to count)
             post = _calling(me, "after_grad", i) if user_hooks else post_type(
-                me, i, intake.showable, intake.views, intake.hidden, intake.masters.get(p),
-                intake.pending, intake.flushed, intake.bucket_index[i],
-                intake.bucket_len[intake.bucket_index[i]])
+                me, intake.state, i, intake.masters.get(p), bucket,
+                intake.moves.bucket_len[bucket])
         else:
             pre, post = _calling(me, "before_grad", i), _calling(me, "after_grad", i)
         handles.append(p.register_hook(pre))

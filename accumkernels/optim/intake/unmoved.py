@@ -80,7 +80,8 @@ class Unmoved:
                 [p.grad for params in by_bucket.values() for p in params])
         for index, params in by_bucket.items():
             if kept:
-                intake.launch(intake.buffer.buckets[index], params, [p.grad for p in params])
+                intake.moves.launch(intake.buffer.buckets[index], params,
+                                    [p.grad for p in params])
             for p in params:
                 p.grad = None
         count, self.count = self.count, 0

@@ -2,7 +2,8 @@
 such a hook sees the running sum in ``.grad``, so the intake (accumkernels.optim.intake.intake) moves
 that param's gradient alone, before the user's hooks run (the wrapper's front hook runs first),
 and shows them the window; what they write in place is what the step uses. A part of the
-intake: it works with the intake's launches and bucket bookkeeping.
+intake: it launches through the intake's Mover (moves.py) and asks the intake where the
+backward stands.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ class FrontMoves:
     """This backward's front moves: which params were moved early, and (with
     ``nonfinite="skip_microbatch"``) their views before it and their gradients."""
 
-    def __init__(self, intake):
-        self.intake = intake
+    def __init__(self, intake, moves):
+        self.intake, self.moves = intake, moves
         self.early: dict[int, bool] = {}  # param index -> counted toward its bucket
         self.saved: dict[int, torch.Tensor | None] = {}
         self.grads: list[torch.Tensor] = []
@@ -45,7 +46,7 @@ class FrontMoves:
             if i not in self.saved:
                 self.saved[i] = view.clone() if intake.window.holds(p) else None
             self.grads.append(g)
-        intake.move([p], [g])
+        self.moves.move([p], [g])
         p.grad = view
         self.early.setdefault(i, False)  # (its bucket hears of it after the user's hooks)
 
@@ -56,21 +57,20 @@ class FrontMoves:
         p = intake.params[i]
         g = p.grad
         if g is not None and g is not intake.views[i] and not g.requires_grad:
-            intake.absorb(p, g)  # a .grad the user's hook assigned: p's gradient now
+            self.moves.absorb(p, g)  # a .grad the user's hook assigned: p's gradient now
         # hidden again in a multi-rank job (DDP must not see the window: the intake's docstring)
         p.grad = None if intake.sync.ddp_possible() else intake.views[i]
         if self.early[i] or intake.check_each_microbatch:
             return  # (counted already; skip_microbatch moves the rest at the end)
         self.early[i] = True
-        index = intake.bucket_index[i]
-        flushed = intake.flushed[index] = intake.flushed.get(index, 0) + 1
-        pend = intake.pending.get(index, {})
-        if len(pend) + flushed == intake.bucket_len[index]:
-            intake.pending.pop(index, None)
-            if pend:
-                intake.launch_held(index, pend)
-            else:
-                intake.bucket_moved(intake.buffer.buckets[index])
+        pend = self.moves.counted_early(i)
+        if pend is None:
+            return  # (its bucket is not complete yet)
+        index = self.moves.bucket_index[i]
+        if pend:
+            intake.launch_held(index, pend)
+        else:
+            self.moves.bucket_moved(self.moves.buffer.buckets[index])
 
     def put_back(self, saved: dict[int, torch.Tensor | None]) -> None:
         """A dropped micro-batch: the views front_grad wrote hold what they held before it."""

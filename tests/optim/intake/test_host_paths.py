@@ -165,15 +165,22 @@ def test_c_hooks_refuse_bad_arguments():
     if intake_hooks.C_HOOKS is None:
         pytest.fail("accumkernels._C lacks the C hooks (PreHook/PostHook)")
     pre_type, _ = intake_hooks.C_HOOKS
-    with pytest.raises(TypeError):
-        pre_type(1, 0, None, [], set())
     import weakref
+
+    from accumkernels.optim.intake.moves import HookState
 
     class Owner:
         pass
 
     owner, p = Owner(), torch.zeros(2, requires_grad=True)
-    hook = pre_type(weakref.ref(owner), 0, weakref.ref(p), [torch.zeros(2)], set())
+    state = HookState([torch.zeros(2)], [None])
+    with pytest.raises(TypeError):
+        pre_type(1, state, 0, None)
+    bad = HookState([torch.zeros(2)], [None])
+    bad.hidden = []  # (a state whose containers are not what the hooks read: refused)
+    with pytest.raises(TypeError, match="state.hidden must be a set"):
+        pre_type(weakref.ref(owner), bad, 0, weakref.ref(p))
+    hook = pre_type(weakref.ref(owner), state, 0, weakref.ref(p))
     with pytest.raises(TypeError):
         hook()
     with pytest.raises(TypeError):
