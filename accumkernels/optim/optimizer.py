@@ -32,19 +32,18 @@ from accumkernels._util import finite_positive
 from accumkernels.checks import check_model
 from accumkernels.optim import protocol
 from accumkernels.optim.config import make_config
-from accumkernels.optim.intake.guard import follow_move
 from accumkernels.optim.intake.backward import remove_handles, weight_pass
+from accumkernels.optim.intake.guard import follow_move
 from accumkernels.optim.masters import MasterWeights
 from accumkernels.optim.outside import OutsideParams
 from accumkernels.optim.parts import (
-    FlatLayout,
     Parts,
+    add_group,
     attach_slots,
     build_rooms,
     layout_for,
     managed,
     resolve_backends,
-    window_across_rebuild,
 )
 from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
 from accumkernels.optim.scaling import LossScaler
@@ -149,7 +148,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._build(params, process_group=process_group)
         if ddp is not None:
             from accumkernels.optim.sync.ddp_hook import register
-            self._sync_for_ddp(ddp.process_group)
+            _sync_for_ddp(self, ddp.process_group)
             register(ddp)
         setattr(optimizer, _OWNER_ATTR, weakref.ref(self))
 
@@ -171,14 +170,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             parts.sync.stage_norm.replace(old, self._step)
         weakref.finalize(self, remove_handles, self._intake.handles)  # hooks go with the wrapper
         attach_slots(self, self._intake, params, self._parts.nonfinite.per_microbatch,
-                     self._sync_for_ddp)
-
-    def _sync_for_ddp(self, group):
-        """DDP reduces this window over ``group`` (met at construction or at its first sync)."""
-        parts, face = self._parts, weakref.ref(self)
-        parts.sync = ddp_sync_for(parts.sync, group, self.config, parts.window, parts.params,
-                                  lambda ps: face()._intake.flush(ps), parts.nonfinite.found_inf)
-        return parts.sync
+                     _sync_for_ddp)
 
     # -- sharing the inner optimizer ----------------------------------------------------------
     # what state/param_groups show: the inner optimizer's, with the keys a checkpoint of the
@@ -212,20 +204,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ranks (``process_group``, DDP, FSDP2) is not rebuilt mid-window: there it is refused
         with nothing changed (call it between windows).
         """
-        intake, parts = self._intake, self._parts
-        intake.settle()
-        local = isinstance(self._layout, FlatLayout) and not parts.sync.active \
-            and parts.sync.ddp_group is None
-        if not local and not (parts.window.empty and not intake.unmoved):
-            raise ValueError(
-                "add_param_group: the current window holds gradients that are reduced across "
-                "ranks; call it between windows (after step() or reset_window()), e.g. at the "
-                "start of an epoch")
-        self.optimizer.add_param_group(param_group)  # (torch's checks: a refusal changes nothing)
-        new = [p for p in self.optimizer.param_groups[-1]["params"] if p.requires_grad]
-        intake.take_in()  # assigned (or unmoved) gradients join the window first
-        restore = window_across_rebuild(intake, parts.window, new)
-        self._build(parts.params + new)
+        new, restore = add_group(self._intake, self._parts, self._layout, param_group)
+        self._build(self._parts.params + new)
         restore(self._intake)
 
     # -- the step -----------------------------------------------------------------------------
@@ -394,6 +374,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def remove_hooks(self) -> None:
         """Detach from the model's params (the wrapper stops accumulating during backward)."""
         self._intake.remove()
+
+
+def _sync_for_ddp(face: AccumulatingOptimizer, group):
+    """DDP reduces this window over ``group`` (met at construction or at its first sync)."""
+    parts, ref = face._parts, weakref.ref(face)
+    parts.sync = ddp_sync_for(parts.sync, group, face.config, parts.window, parts.params,
+                              lambda ps: ref()._intake.flush(ps), parts.nonfinite.found_inf)
+    return parts.sync
 
 
 def _rebuild(inner: torch.optim.Optimizer, kwargs: dict, sd: dict) -> AccumulatingOptimizer:

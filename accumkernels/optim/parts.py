@@ -17,9 +17,9 @@ from typing import Protocol
 
 import torch
 
-from accumkernels.ops import host
 from accumkernels._util import WINDOW_DTYPES
 from accumkernels.buffer import MasterGradBuffer
+from accumkernels.ops import host
 from accumkernels.optim.checkpoint import assemble as checkpoint
 from accumkernels.optim.config import Config
 from accumkernels.optim.fsdp2.recipe import is_sharded, refuse_sharded
@@ -151,13 +151,13 @@ class Slot:
         self._owner = weakref.ref(owner)
         self._intake = weakref.ref(intake)
         self._per_microbatch = per_microbatch
-        self._sync_for_ddp = weakref.WeakMethod(sync_for_ddp)
+        self._sync_for_ddp = sync_for_ddp  # (owner, group) -> its sync: holds no owner
 
     def ddp_sync(self, group) -> Sync | None:
         """The owner's sync for DDP's ``group`` (met at its first sync backward), or None once
         the owner is gone: the DDP comm hook's way to the window."""
-        sync_for_ddp = self._sync_for_ddp() if self._owner() is not None else None
-        return None if sync_for_ddp is None else sync_for_ddp(group)
+        owner = self._owner()
+        return None if owner is None else self._sync_for_ddp(owner, group)
 
     @property
     def owner(self):
@@ -180,7 +180,8 @@ class Slot:
 
 def _dead_slot() -> Slot:
     slot = Slot.__new__(Slot)
-    slot._owner = slot._intake = slot._sync_for_ddp = lambda: None
+    slot._owner = slot._intake = lambda: None
+    slot._sync_for_ddp = None
     slot._per_microbatch = False
     return slot
 
@@ -192,6 +193,25 @@ def attach_slots(owner, intake: Intake, params: list[torch.Tensor], per_microbat
     slot = Slot(owner, intake, per_microbatch, sync_for_ddp)
     for p in params:
         setattr(p, SLOT_ATTR, slot)
+
+
+def add_group(intake: Intake, parts: Parts, layout: Layout, param_group: dict):
+    """``add_param_group``: the group added to the inner optimizer (torch's checks first: a
+    refusal changes nothing); returns its trainable params and the function that puts what the
+    window holds into the intake rebuilt for them. A window reduced across ranks is not
+    rebuilt mid-window: refused with nothing changed."""
+    intake.settle()
+    local = isinstance(layout, FlatLayout) and not parts.sync.active \
+        and parts.sync.ddp_group is None
+    if not local and not (parts.window.empty and not intake.unmoved):
+        raise ValueError(
+            "add_param_group: the current window holds gradients that are reduced across "
+            "ranks; call it between windows (after step() or reset_window()), e.g. at the "
+            "start of an epoch")
+    parts.optimizer.add_param_group(param_group)
+    new = [p for p in parts.optimizer.param_groups[-1]["params"] if p.requires_grad]
+    intake.take_in()  # assigned (or unmoved) gradients join the window first
+    return new, window_across_rebuild(intake, parts.window, new)
 
 
 def window_across_rebuild(intake, window, new: list[torch.Tensor]):
