@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from accumkernels._torch_private import has_step_hooks, unpatched_step
 from accumkernels.ops import host
 from accumkernels.ops.validate import is_dense, same_layout
 from accumkernels.ops.master_passes import resync_masters_
@@ -47,7 +48,7 @@ def applies(optimizer: torch.optim.Optimizer, masters) -> bool:
     (MasterWeights) bit for bit; asked at every step (group flags may change)."""
     if not masters.model_params or type(optimizer) not in _ADAM + _SGD:
         return False
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+    if has_step_hooks(optimizer):
         return False  # its hooks see (and may write) the masters around torch's own step
     ids = set(masters.masters)
     for group in optimizer.param_groups:
@@ -107,7 +108,7 @@ def step(optimizer: torch.optim.Optimizer, masters, *, write_grad: bool, backend
         for q in stepped:
             q.grad = None  # torch's step skips params without a gradient
         try:
-            inner = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
+            inner = unpatched_step(type(optimizer).step) or type(optimizer).step
             inner(optimizer)
         finally:
             for q, g in hidden:
