@@ -2,7 +2,8 @@
 
 Each entry names what it reads and why no public API serves. tests/optim/test_torch_private.py calls
 every one on the installed torch and fails loudly, naming the entry, when torch changes it.
-Checked on torch 2.11 (the GPU machines), 2.13 (CPU CI) and 2.14.1.
+Checked on torch 2.11 (the GPU machines), 2.13 (CPU CI) and 2.14.1. It is also the one module of
+the package that reads ``sys.modules`` (whether a torch subsystem was imported at all).
 
 The last section is the version check: the public features the package needs, the torch release
 that brought each, and ``require``, which refuses a missing one with that release's number.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from collections import OrderedDict
 
 import torch
 
@@ -69,6 +71,13 @@ def run_post_accumulate_hook_first(p: torch.Tensor, handle) -> None:
             hooks[key] = hook
 
 
+# -- torch.distributed.pipelining -------------------------------------------------------------------
+def pipelining_imported() -> bool:
+    """Whether ``torch.distributed.pipelining`` was imported: no schedule of it can run before
+    (a cheap gate in front of the wrapper's stack walk for a weight pass it missed)."""
+    return "torch.distributed.pipelining" in sys.modules
+
+
 # -- DistributedDataParallel ------------------------------------------------------------------------
 def ddp_comm_hooks(ddp) -> list:
     """The Python hooks given to ``register_comm_hook`` (DDP keeps (hook, state) pairs in
@@ -87,6 +96,15 @@ def fsdp2_offload_unsafe() -> bool:
         return True
 
 
+def fsdp2_group_mesh(module):
+    """The device mesh FSDP2 shards the params of ``module`` (an ``FSDPModule``) over: its param
+    group's data-parallel mesh (``_get_fsdp_state()._fsdp_param_group.mesh_info.mesh``; no
+    public getter), without the tensor-parallel dims of the params' own mesh. None for a module
+    holding no params of its own; AttributeError where this torch keeps it elsewhere."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return None if group is None else group.mesh_info.mesh
+
+
 def fsdp2_reduce_scatter_base() -> type:
     """FSDP2's ``ReduceScatter`` policy base class (``set_custom_reduce_scatter``'s argument)."""
     require("FSDPModule.set_custom_reduce_scatter", "accumkernels.optim.fsdp2.wire", ImportError)
@@ -99,6 +117,48 @@ def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     """A fused optimizer that divides its gradients by ``grad_scale`` (and skips on
     ``found_inf``) in its own pass, as GradScaler drives it (``_step_supports_amp_scaling``)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+# ``register_step_pre_hook`` and kin keep an instance's hooks in registries that
+# ``Optimizer.__init__`` creates on it (no getter); the wrapper, which does not run that
+# ``__init__``, creates them itself so those public methods work on it.
+_HOOK_REGISTRIES = {
+    "step_pre": "_optimizer_step_pre_hooks", "step_post": "_optimizer_step_post_hooks",
+    "state_dict_pre": "_optimizer_state_dict_pre_hooks",
+    "state_dict_post": "_optimizer_state_dict_post_hooks",
+    "load_state_dict_pre": "_optimizer_load_state_dict_pre_hooks",
+    "load_state_dict_post": "_optimizer_load_state_dict_post_hooks",
+}
+
+
+def init_hook_registries(opt) -> None:
+    """The per-instance hook registries ``torch.optim.Optimizer.__init__`` would create."""
+    for name in _HOOK_REGISTRIES.values():
+        setattr(opt, name, OrderedDict())
+
+
+def instance_hooks(opt, kind: str) -> dict:
+    """The hooks ``opt.register_<kind>_hook`` registered (handle id -> hook, in their order);
+    ``kind``: step_pre, step_post, state_dict_pre, state_dict_post, load_state_dict_pre,
+    load_state_dict_post."""
+    return getattr(opt, _HOOK_REGISTRIES[kind])
+
+
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step pre- or post-hooks are registered on ``optimizer`` itself."""
+    return bool(instance_hooks(optimizer, "step_pre") or instance_hooks(optimizer, "step_post"))
+
+
+def unpatched_step(step):
+    """The class's step under torch's hook patch (``Optimizer._patch_step_function`` marks its
+    wrapper ``hooked``), every layer of it: a class patched twice (its step replaced by a wrapper
+    of the patched one that torch then patched again) must not run the global hooks once more.
+    None where torch did not patch it."""
+    if not getattr(step, "hooked", False):
+        return None
+    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    return step
 
 
 def global_step_hooks() -> tuple[dict, dict]:

@@ -19,22 +19,17 @@ the step, as natively. Only the patch found on the instance is read, never globa
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
 from itertools import chain
 
 import torch
 
-from accumkernels._torch_private import global_step_hooks, record_scheduler_step
-
-_HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                    "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+from accumkernels import _torch_private
+from accumkernels._torch_private import global_step_hooks, instance_hooks, record_scheduler_step
 
 
 def init_hook_registries(opt) -> None:
     """The registries ``torch.optim.Optimizer.__init__`` would create."""
-    for name in _HOOK_REGISTRIES:
-        setattr(opt, name, OrderedDict())
+    _torch_private.init_hook_registries(opt)
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
@@ -47,25 +42,13 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def _unpatched(step):
-    """The class's step under torch's hook patch (``Optimizer._patch_step_function`` marks its
-    wrapper ``hooked``), every layer of it: a class patched twice (its step replaced by a wrapper
-    of the patched one that torch then patched again) must not run the global hooks once more.
-    None where torch did not patch it."""
-    if not getattr(step, "hooked", False):
-        return None
-    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-        step = step.__wrapped__
-    return step
-
-
 def inner_step(optimizer: torch.optim.Optimizer, closure=None, run=None):
     """Step the inner optimizer without running the global step hooks a second time.
 
     Its own per-instance hooks still run (they were registered on it, not on the wrapper).
     ``run()``: what takes the place of its step between them (the fused master step).
     """
-    step = _unpatched(type(optimizer).step)
+    step = _torch_private.unpatched_step(type(optimizer).step)
     if run is not None:
         step = lambda *args, **kwargs: run()  # noqa: E731
     elif step is None:  # a step torch did not patch: no hooks of its own
@@ -73,10 +56,10 @@ def inner_step(optimizer: torch.optim.Optimizer, closure=None, run=None):
     record_scheduler_step(optimizer)  # what a scheduler's patch on the instance (bypassed here) records
     args: tuple = (optimizer,) if closure is None else (optimizer, closure)
     kwargs: dict = {}
-    for hook in optimizer._optimizer_step_pre_hooks.values():
+    for hook in instance_hooks(optimizer, "step_pre").values():
         args, kwargs = _hook_result(hook(optimizer, args, kwargs), args, kwargs)
     out = step(*args, **kwargs)
-    for hook in optimizer._optimizer_step_post_hooks.values():
+    for hook in instance_hooks(optimizer, "step_post").values():
         hook(optimizer, args, kwargs)
     return out
 
@@ -96,13 +79,13 @@ class StepHooks:
         # (``flush()`` does not go through the instance's ``step``)
         record_scheduler_step(self.opt, at_least=True)
         global_pre, _ = global_step_hooks()
-        for hook in chain(global_pre.values(), self.opt._optimizer_step_pre_hooks.values()):
+        for hook in chain(global_pre.values(), instance_hooks(self.opt, "step_pre").values()):
             self.args, self.kwargs = _hook_result(hook(self.opt, self.args, self.kwargs),
                                                   self.args, self.kwargs)
 
     def post(self) -> None:
         _, global_post = global_step_hooks()
-        for hook in chain(self.opt._optimizer_step_post_hooks.values(), global_post.values()):
+        for hook in chain(instance_hooks(self.opt, "step_post").values(), global_post.values()):
             hook(self.opt, self.args, self.kwargs)
 
 
@@ -146,10 +129,10 @@ def _hook_result(result, args, kwargs):
 
 
 def state_dict_with_hooks(opt, build):
-    for hook in opt._optimizer_state_dict_pre_hooks.values():
+    for hook in instance_hooks(opt, "state_dict_pre").values():
         hook(opt)
     sd = build()
-    for hook in opt._optimizer_state_dict_post_hooks.values():
+    for hook in instance_hooks(opt, "state_dict_post").values():
         result = hook(opt, sd)
         if result is not None:
             sd = result
@@ -157,10 +140,10 @@ def state_dict_with_hooks(opt, build):
 
 
 def load_with_hooks(opt, state_dict, load) -> None:
-    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+    for hook in instance_hooks(opt, "load_state_dict_pre").values():
         result = hook(opt, state_dict)
         if result is not None:
             state_dict = result
     load(state_dict)
-    for hook in opt._optimizer_load_state_dict_post_hooks.values():
+    for hook in instance_hooks(opt, "load_state_dict_post").values():
         hook(opt)

@@ -126,3 +126,80 @@ def test_ddp_comm_hooks_lists_a_registered_python_hook(tmp_path):
         assert hook in tp.ddp_comm_hooks(ddp), "ddp_comm_hooks: DDP's _comm_hooks changed"
     finally:
         dist.destroy_process_group()
+
+
+def test_hook_registries_are_the_ones_torch_creates_and_fills():
+    real = torch.optim.SGD([torch.nn.Parameter(torch.randn(2))], lr=0.1)
+    bare = torch.optim.SGD.__new__(torch.optim.SGD)  # as the wrapper: no Optimizer.__init__
+    tp.init_hook_registries(bare)
+    registries = {k for k in real.__dict__ if k.startswith("_optimizer_") and k.endswith("_hooks")}
+    assert registries == set(bare.__dict__), \
+        "init_hook_registries: Optimizer.__init__ creates other hook registries"
+    for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                 "load_state_dict_pre", "load_state_dict_post"):
+        def hook(*args):
+            return None
+        handle = getattr(bare, f"register_{kind}_hook")(hook)
+        assert list(tp.instance_hooks(bare, kind).values()) == [hook], \
+            f"instance_hooks: register_{kind}_hook fills another registry"
+        handle.remove()
+        assert not tp.instance_hooks(bare, kind)
+
+
+def test_has_step_hooks_sees_the_instances_own_hooks():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(2))], fused=True)
+    assert not tp.has_step_hooks(opt)
+    handle = opt.register_step_post_hook(lambda *a: None)
+    assert tp.has_step_hooks(opt), "has_step_hooks: the step post-hook registry moved"
+    handle.remove()
+    handle = register_optimizer_step_pre_hook(lambda *a: None)
+    try:
+        assert not tp.has_step_hooks(opt), "has_step_hooks: a global hook is not the instance's"
+    finally:
+        handle.remove()
+
+
+def test_unpatched_step_runs_no_global_hook():
+    p = torch.nn.Parameter(torch.randn(2))
+    p.grad = torch.ones(2)
+    before = p.detach().clone()
+    opt = torch.optim.SGD([p], lr=0.5)
+    patched = type(opt).step
+    assert getattr(patched, "hooked", False), "unpatched_step: torch no longer marks its patch"
+    step = tp.unpatched_step(patched)
+    assert step is not None and not getattr(step, "hooked", False)
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda *a: seen.append(1))
+    try:
+        step(opt)
+    finally:
+        handle.remove()
+    assert seen == [], "unpatched_step: the global hooks still ran"
+    assert torch.equal(p.detach(), before - 0.5), "unpatched_step: not the class's own step"
+    assert tp.unpatched_step(lambda self: None) is None
+
+
+def test_pipelining_imported_reads_sys_modules(monkeypatch):
+    import sys
+    pytest.importorskip("torch.distributed.pipelining")
+    assert tp.pipelining_imported()
+    monkeypatch.delitem(sys.modules, "torch.distributed.pipelining")
+    assert not tp.pipelining_imported()
+
+
+def test_fsdp2_group_mesh_is_the_param_groups_mesh(tmp_path):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        fsdp.fully_shard(model[0], mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)  # the root: no params of its own
+        assert tp.fsdp2_group_mesh(model[0]) is mesh, "fsdp2_group_mesh: FSDP2's param group"
+        assert tp.fsdp2_group_mesh(model) is None, "fsdp2_group_mesh: a module without params"
+    finally:
+        dist.destroy_process_group()

@@ -30,7 +30,7 @@ from accumkernels.optim.fsdp2.intake import ShardedIntake, ShardedWindow
 from accumkernels.optim.fsdp2.recipe import RECIPE, dtensor_type, tensor_parallel_error
 from accumkernels.optim.nonfinite import sum_of_squares
 from accumkernels.optim.sync.local import LocalSync
-from accumkernels._torch_private import fsdp2_offload_unsafe
+from accumkernels._torch_private import fsdp2_group_mesh, fsdp2_offload_unsafe
 
 __all__ = ["MeshSync", "ShardedLayout"]
 
@@ -113,10 +113,10 @@ def _dp_dims(modules: list, mesh) -> int:
     on each module's param group (private; without it every dim counts as data parallel)."""
     for module in modules:
         try:
-            group = module._get_fsdp_state()._fsdp_param_group
-            return group.mesh_info.mesh.ndim if group is not None else mesh.ndim
+            dp_mesh = fsdp2_group_mesh(module)
         except AttributeError:
             continue
+        return dp_mesh.ndim if dp_mesh is not None else mesh.ndim
     return mesh.ndim
 
 

@@ -225,7 +225,6 @@ FORGOTTEN_LINE = (
     "accumkernels.integrations.pipelining.accumulate_weight_passes(stages), and start the "
     "training again")
 _PIPELINING = "torch/distributed/pipelining/"
-_PIPELINING_MODULE = "torch.distributed.pipelining"
 
 
 def pipeline_weight_pass() -> bool:
@@ -233,7 +232,8 @@ def pipeline_weight_pass() -> bool:
     ``backward_weight_one_chunk`` on a thread's stack: the hooks may run on an autograd device
     thread, the schedule on the caller's). One walk per thread, once per backward, made only
     outside ``weight_pass()``."""
-    if _PIPELINING_MODULE not in sys.modules:
+    from accumkernels._torch_private import pipelining_imported
+    if not pipelining_imported():
         return False  # (its code cannot be running before the module is imported)
     for frame in sys._current_frames().values():
         while frame is not None:

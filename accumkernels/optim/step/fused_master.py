@@ -16,12 +16,14 @@ a later native step see it unchanged).
 
 It is taken when the result is bit-identical to what the inner optimizer itself would do: the
 inner optimizer is exactly ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (not a subclass, whose step
-may differ), built with ``fused=True``, neither ``differentiable`` nor ``capturable``, with
-float32 masters on one device type, with no step hooks of its own (``register_step_pre_hook``/
-``register_step_post_hook`` on the inner optimizer: they may write the masters between the
-take-in and the copy-back, which one pass cannot interleave). Anything else (another optimizer, ``foreach``/for-loop
-arithmetic, SGD groups whose momentum buffers are partly created) takes the separate passes, with
-the same result as before.
+may differ), with float32 masters on one device type, with no step hooks of its own
+(``register_step_pre_hook``/``register_step_post_hook`` on the inner optimizer: they may write the
+masters between the take-in and the copy-back, which one pass cannot interleave), and every group
+holding masters has only the keys of ``IMPLEMENTED_KEYS`` (``fused=True``, neither
+``differentiable`` nor ``capturable``, numbers the kernels take) plus the LR schedulers' own
+bookkeeping keys and the wrapper's own. Anything else (another optimizer, ``foreach``/for-loop arithmetic, a key or a
+value the kernels do not implement, SGD groups whose momentum buffers are partly created) takes
+the separate passes: torch's own step over the masters, with the same result as before.
 
 Params without masters in the same groups (fp32 params of a mixed model) are stepped by the
 inner optimizer's own step, run for them alone right after (masters' ``.grad`` hidden from it).
@@ -31,30 +33,108 @@ Masters without a gradient this step are not updated; their weights are still co
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable
+
 import torch
 
+from accumkernels._torch_private import has_step_hooks, unpatched_step
 from accumkernels.ops import host
+from accumkernels.optim.checkpoint.live_state import OWN_KEY
 from accumkernels.ops.validate import is_dense, same_layout
 from accumkernels.ops.master_passes import resync_masters_
 from accumkernels.ops.master_step import master_adam_step_, master_sgd_step_
 
-_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 _SGD = (torch.optim.SGD,)
+
+
+def _real(low: float, high: float = math.inf) -> Callable[[object], bool]:
+    """A Python number (not a bool), finite, in [low, high): what the kernels take."""
+    def ok(value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return False
+        v = float(value)
+        return math.isfinite(v) and low <= v and (v < high or high == math.inf)
+    return ok
+
+
+def _one_of(*allowed: object) -> Callable[[object], bool]:
+    return lambda value: any(value is a for a in allowed)
+
+
+_NON_NEGATIVE = _real(0.0)
+_BETA = _real(0.0, 1.0)
+
+
+def _lr(value: object) -> bool:
+    """A number, or a one-element floating tensor (the kernels read it as torch does)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point()
+    return _NON_NEGATIVE(value)
+
+
+def _betas(value: object) -> bool:
+    """Two numbers in [0, 1), or one-element floating tensors of such (taken as numbers, as
+    torch's fused Adam takes them)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        return False
+    return all(_BETA(float(b)) if isinstance(b, torch.Tensor) and b.numel() == 1
+               and b.is_floating_point() else _BETA(b) for b in value)
+
+
+# Per inner optimizer class, the param-group keys the fused master step implements, each with a
+# test of the values it reproduces bit for bit; any other key or value takes torch's own step.
+_BOOL = _one_of(True, False)
+_COMMON = {"params": lambda value: True, "lr": _lr, "weight_decay": _NON_NEGATIVE,
+           "maximize": _BOOL, "foreach": _one_of(None, False), "differentiable": _one_of(False),
+           "fused": _one_of(True)}
+_ADAM_KEYS = {**_COMMON, "betas": _betas, "eps": _NON_NEGATIVE, "amsgrad": _BOOL,
+              "capturable": _one_of(False), "decoupled_weight_decay": _BOOL}
+_SGD_KEYS = {**_COMMON, "momentum": _NON_NEGATIVE, "dampening": _real(-math.inf),
+             "nesterov": _BOOL}
+IMPLEMENTED_KEYS: dict[type, dict[str, Callable[[object], bool]]] = {
+    torch.optim.Adam: _ADAM_KEYS, torch.optim.AdamW: _ADAM_KEYS, torch.optim.SGD: _SGD_KEYS}
+# Written and read by torch's LR schedulers and SWALR alone; no step reads them.
+SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum",
+                            "swa_lr"})
+# Keys no step reads, any value: the schedulers' and the wrapper's own checkpoint key, which
+# every group holds once ``opt.param_groups`` was read.
+_IGNORED = SCHEDULER_KEYS | {OWN_KEY}
+
+
+def implements(optimizer_class: type, group: dict) -> bool:
+    """Whether every key of ``group`` is one the fused master step implements for
+    ``optimizer_class``, with a value it implements, and none it reads is missing."""
+    keys = IMPLEMENTED_KEYS.get(optimizer_class)
+    if keys is None:
+        return False
+    for key, value in group.items():
+        ok = keys.get(key)
+        if ok is None:
+            if key not in _IGNORED:
+                return False
+        elif not ok(value):
+            return False
+    if any(key not in group for key in keys):
+        return False
+    # the kernels refuse what torch's constructor refuses: nesterov without plain momentum
+    return not group.get("nesterov") or (group["momentum"] > 0 and group["dampening"] == 0)
 
 
 def applies(optimizer: torch.optim.Optimizer, masters) -> bool:
     """Whether the fused master step reproduces ``optimizer``'s own step over ``masters``
-    (MasterWeights) bit for bit; asked at every step (group flags may change)."""
-    if not masters.model_params or type(optimizer) not in _ADAM + _SGD:
+    (MasterWeights) bit for bit; asked at every step (group keys and values may change)."""
+    if not masters.model_params or type(optimizer) not in IMPLEMENTED_KEYS:
         return False
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+    if has_step_hooks(optimizer):
         return False  # its hooks see (and may write) the masters around torch's own step
     ids = set(masters.masters)
     for group in optimizer.param_groups:
         mine = [p for p in group["params"] if id(p) in ids]
         if not mine:
             continue
-        if not group.get("fused") or group.get("differentiable") or group.get("capturable"):
+        if not implements(type(optimizer), group):
             return False
         if type(optimizer) in _SGD and group["momentum"] != 0:
             has = [optimizer.state.get(p, {}).get("momentum_buffer") is not None for p in mine]
@@ -107,7 +187,7 @@ def step(optimizer: torch.optim.Optimizer, masters, *, write_grad: bool, backend
         for q in stepped:
             q.grad = None  # torch's step skips params without a gradient
         try:
-            inner = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
+            inner = unpatched_step(type(optimizer).step) or type(optimizer).step
             inner(optimizer)
         finally:
             for q, g in hidden:

@@ -1,7 +1,8 @@
 """The wrapper's fused master step (optim/fused_master.py): for a bf16/fp16 model with master
 weights and an inner ``torch.optim.AdamW``/``Adam``/``SGD`` built with ``fused=True``, a real step
 is one pass of ``master_adam_step_``/``master_sgd_step_`` (exact take-in of user-written weights,
-the update, the rounded weight).
+the update, the rounded weight); a group key or value it does not implement takes torch's own
+step.
 
 The judge is a hand-kept reference of what master weights mean, built from torch alone: fp32
 masters stepped by torch's own fused optimizer on the window (the micro-batch gradients summed in
@@ -158,12 +159,13 @@ def assert_same_state(opt: AccumulatingOptimizer, ref: Reference, seed: int) -> 
 
 def train(kind: str, dtype: torch.dtype, seed: int, *, reduction: str = "sum",
           clip: float | None = None, mixed: bool = False, writes=None, windows: int = 3,
-          frozen: bool = False, zero_grad_each: bool = False, **kw):
+          frozen: bool = False, zero_grad_each: bool = False, edit=None, **kw):
     """The same loop on the wrapper and on the reference; returns both and, per window, the
     losses and clip norms of each (``opt.losses``/``ref.losses``, ``opt.norms``/``ref.norms``).
     ``frozen``: the first layer's bias frozen; ``zero_grad_each``: N given, ``opt.step()``
     after every backward and ``model.zero_grad()`` (not the optimizer's) after each window;
-    ``writes(model, w)`` after each window's step."""
+    ``writes(model, w)`` after each window's step; ``edit(group)`` on every param group of both
+    inner optimizers once built."""
     model = make_model(dtype, seed, mixed=mixed)
     ref = Reference(make_model(dtype, seed, mixed=mixed), kind, reduction, clip, **kw)
     if frozen:
@@ -175,6 +177,8 @@ def train(kind: str, dtype: torch.dtype, seed: int, *, reduction: str = "sum",
     opt = AccumulatingOptimizer(inner_of(kind, model.parameters(), **kw), reduction=reduction,
                                 max_grad_norm=clip,
                                 accumulation_steps=N if zero_grad_each else None)
+    for group in (opt.optimizer.param_groups + ref.inner.param_groups) if edit else ():
+        edit(group)
     opt.losses, opt.norms, ref.losses = [], [], []
     gen = torch.Generator().manual_seed(seed)
     for w in range(windows):
@@ -367,3 +371,142 @@ def test_state_dict_after_fused_steps_continues_in_a_native_optimizer(seed):
     for i, q in enumerate(native.param_groups[0]["params"]):
         for key, value in ref.inner.state[ref.masters[i]].items():
             assert same_bits(native.state[q][key], value), (key, seed)
+
+
+def _refuse_fused_step(monkeypatch) -> None:
+    def refuse(*a, **k):
+        raise AssertionError("the fused master step ran for a group it does not implement")
+    monkeypatch.setattr(fused_master, "step", refuse)
+
+
+def _count_fused_steps(monkeypatch) -> list:
+    calls = []
+    real = fused_master.step
+    monkeypatch.setattr(fused_master, "step", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    return calls
+
+
+def _set(key: str, value):
+    def edit(group: dict) -> None:
+        group[key] = value() if callable(value) else value
+    return edit
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd_momentum"])
+def test_an_unknown_group_key_takes_torchs_own_step(kind, seed, monkeypatch):
+    """A param-group key the fused master step does not know (a flag a newer torch adds):
+    the step is torch's own over the masters, then the cast, bit for bit, never the kernel."""
+    _refuse_fused_step(monkeypatch)
+    opt, ref = train(kind, torch.bfloat16, seed, reduction="mean", clip=0.05,
+                     edit=_set("new_flag", True))
+    assert_same_run(opt, ref, seed)
+
+
+# Values torch's fused step takes and the kernels do not: a tensor weight decay (SGD documents
+# ``float | Tensor``; torch's fused Adam reads a one-element tensor as a number), an lr set below
+# zero after construction, nesterov with dampening set later (the constructor refuses it).
+UNIMPLEMENTED_VALUES = [
+    pytest.param("adamw", "weight_decay", lambda: torch.tensor(0.1), id="adamw-tensor-wd"),
+    pytest.param("adam", "lr", -1e-3, id="adam-negative-lr"),
+    pytest.param("sgd_momentum", "weight_decay", lambda: torch.tensor(0.01), id="sgd-tensor-wd"),
+    pytest.param("sgd_nesterov", "dampening", 0.5, id="sgd-nesterov-dampening"),
+]
+
+
+@pytest.mark.parametrize("kind,key,value", UNIMPLEMENTED_VALUES)
+def test_a_known_key_with_an_unimplemented_value_takes_torchs_own_step(kind, key, value, seed,
+                                                                       monkeypatch):
+    """A key the fused master step knows, holding a value its kernels do not take: torch's
+    own step over the masters, then the cast, bit for bit, never the kernel."""
+    _refuse_fused_step(monkeypatch)
+    opt, ref = train(kind, torch.bfloat16, seed, edit=_set(key, value))
+    assert_same_run(opt, ref, seed)
+
+
+@pytest.mark.parametrize("kind,edit", [
+    pytest.param("adamw", None, id="adamw-as-built"),
+    pytest.param("adamw", _set("lr", lambda: torch.tensor(1e-2)), id="adamw-tensor-lr"),
+    pytest.param("adam", _set("betas", lambda: (torch.tensor(0.9), torch.tensor(0.99))),
+                 id="adam-tensor-betas"),
+    pytest.param("sgd_momentum", _set("initial_lr", 0.1), id="sgd-scheduler-key"),
+    pytest.param("amsgrad", _set("max_lr", 1e-2), id="amsgrad-scheduler-key"),
+])
+def test_implemented_keys_and_values_take_the_fused_step(kind, edit, seed, monkeypatch):
+    """The groups torch builds, a tensor lr or betas, and the LR schedulers' own keys keep the
+    fused master step, with the reference's result."""
+    calls = _count_fused_steps(monkeypatch)
+    opt, ref = train(kind, torch.bfloat16, seed, edit=edit)
+    assert len(calls) == 3, "the fused master step did not run"
+    assert_same_run(opt, ref, seed)
+
+
+def test_the_wrappers_own_group_key_keeps_the_fused_step(seed, monkeypatch):
+    """A scheduler built on the wrapper and a checkpoint every step (both read
+    ``opt.param_groups``, which puts the wrapper's key into every group) keep the fused step."""
+    calls = _count_fused_steps(monkeypatch)
+    model = make_model(torch.bfloat16, seed)
+    opt = AccumulatingOptimizer(inner_of("adamw", model.parameters()), accumulation_steps=1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        loss_of(model, torch.randn(4, 13, generator=gen)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        opt.state_dict()
+    assert "accumkernels" in opt.optimizer.param_groups[0]
+    assert len(calls) == 3, "the fused master step did not run"
+
+
+BAD_VALUES = [("lr", -1e-3), ("lr", float("nan")), ("lr", torch.tensor([1e-3, 1e-3])),
+              ("lr", True), ("eps", float("inf")), ("betas", (0.9, 1.0)),
+              ("betas", (0.9,)), ("betas", (torch.tensor([0.9, 0.9]), 0.99)),
+              ("maximize", None), ("foreach", True), ("fused", 1), ("capturable", True),
+              ("differentiable", True), ("decoupled_weight_decay", 0)]
+
+
+@pytest.mark.simd_once
+@pytest.mark.parametrize("key,value", BAD_VALUES, ids=lambda v: repr(v)[:24])
+def test_every_unimplemented_value_is_refused(key, value):
+    """Each value outside what the kernels implement, alone in a group torch built."""
+    group = torch.optim.AdamW([torch.zeros(2, requires_grad=True)], fused=True).param_groups[0]
+    assert fused_master.implements(torch.optim.AdamW, group)
+    group[key] = value
+    assert not fused_master.implements(torch.optim.AdamW, group), (key, value)
+
+
+@pytest.mark.simd_once
+def test_a_missing_key_is_refused():
+    """A group without a key the step reads, or a class without an allow-list."""
+    group = torch.optim.SGD([torch.zeros(2, requires_grad=True)], fused=True).param_groups[0]
+    del group["nesterov"]
+    assert not fused_master.implements(torch.optim.SGD, group)
+    assert not fused_master.implements(torch.optim.RMSprop, {"params": []})
+
+
+# Every way torch's constructors (and its LR schedulers) fill a group of the three classes.
+BUILT = [
+    pytest.param(torch.optim.AdamW, {}, id="AdamW"),
+    pytest.param(torch.optim.AdamW, {"amsgrad": True, "maximize": True}, id="AdamW-flags"),
+    pytest.param(torch.optim.Adam, {}, id="Adam"),
+    pytest.param(torch.optim.Adam, {"decoupled_weight_decay": True}, id="Adam-decoupled"),
+    pytest.param(torch.optim.SGD, {}, id="SGD"),
+    pytest.param(torch.optim.SGD, {"momentum": 0.9, "nesterov": True}, id="SGD-nesterov"),
+]
+
+
+@pytest.mark.simd_once
+@pytest.mark.parametrize("cls,kw", BUILT)
+def test_the_allow_list_covers_what_torch_puts_in_a_group(cls, kw):
+    """A key a newer torch adds to these constructors shows up here, not as a silent fallback
+    (or, before the allow-list, as a flag the fused step ignored)."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = cls([p], lr=1e-2, fused=True, **kw)
+    group = opt.param_groups[0]
+    assert set(group) - set(fused_master.IMPLEMENTED_KEYS[cls]) == set(), sorted(group)
+    assert fused_master.implements(cls, group)
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    torch.optim.swa_utils.SWALR(opt, swa_lr=1e-3)
+    added = set(group) - set(fused_master.IMPLEMENTED_KEYS[cls])
+    assert added <= fused_master.SCHEDULER_KEYS, sorted(added - fused_master.SCHEDULER_KEYS)
+    assert fused_master.implements(cls, group)
