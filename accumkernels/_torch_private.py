@@ -105,6 +105,13 @@ def fsdp2_group_mesh(module):
     return None if group is None else group.mesh_info.mesh
 
 
+def flat_leaves(tree) -> list:
+    """The leaves of a nested output (tuples, lists, dicts, dataclasses torch registered):
+    ``torch.utils._pytree.tree_flatten``, the flattening FSDP2's own hooks use."""
+    from torch.utils._pytree import tree_flatten
+    return tree_flatten(tree)[0]
+
+
 def fsdp2_reduce_scatter_base() -> type:
     """FSDP2's ``ReduceScatter`` policy base class (``set_custom_reduce_scatter``'s argument)."""
     require("FSDPModule.set_custom_reduce_scatter", "accumkernels.optim.fsdp2.wire", ImportError)

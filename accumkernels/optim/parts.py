@@ -35,7 +35,7 @@ from accumkernels.optim.window import Window
 from accumkernels.slot import SLOT_ATTR
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class Parts:
     """The rooms a wrapper is made of (see the face's docstring for the map). Slots: a room
     cannot grow an attribute nobody declared here."""

@@ -203,3 +203,10 @@ def test_fsdp2_group_mesh_is_the_param_groups_mesh(tmp_path):
         assert tp.fsdp2_group_mesh(model) is None, "fsdp2_group_mesh: a module without params"
     finally:
         dist.destroy_process_group()
+
+
+def test_flat_leaves_flattens_nested_outputs():
+    """The FSDP2 intake finds the tensors of a module's output at any depth."""
+    from accumkernels._torch_private import flat_leaves
+    a, b, c = torch.randn(2), torch.randn(3), torch.randn(1)
+    assert [t is x for t, x in zip(flat_leaves((a, [b, {"k": c}])), (a, b, c))] == [True] * 3

@@ -36,7 +36,7 @@ from itertools import chain
 
 import torch
 
-from accumkernels._torch_private import initial_state_hook
+from accumkernels._torch_private import init_hook_registries, initial_state_hook
 from accumkernels._util import LOW_PRECISION
 
 OWN_KEY = "accumkernels"
@@ -315,9 +315,7 @@ def template_state(parts, meta: bool = False, only: set[int] | None = None) -> d
     copy = object.__new__(type(inner))
     copy.__dict__.update({k: v for k, v in inner.__dict__.items()
                           if not k.startswith("_accumkernels")})
-    protocol_registries = [k for k in copy.__dict__ if k.startswith("_optimizer_")]
-    for k in protocol_registries:
-        copy.__dict__[k] = type(copy.__dict__[k])()
+    init_hook_registries(copy)  # the copy's own (empty) hook registries, as a fresh optimizer's
     plain = {k: False for k in ("foreach", "fused", "capturable") if meta and k in inner.defaults}
     copy.state = defaultdict(dict)
     initial: dict[int, dict] = {}  # id(clone) -> its state as _init_group made it

@@ -25,9 +25,8 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
-from accumkernels._torch_private import compiled_autograd_on, queue_callback
+from accumkernels._torch_private import compiled_autograd_on, flat_leaves, queue_callback
 from accumkernels.ops.accumulate import accumulate_
 from accumkernels.optim.intake.backward import EndOfBackward, remove_handles
 
@@ -251,7 +250,7 @@ def _forward_hook(intake_ref):
     def hook(module, args, output):
         if not torch.is_grad_enabled():
             return
-        tensors = [t for t in tree_flatten(output)[0]
+        tensors = [t for t in flat_leaves(output)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, _begin_hook(intake_ref),
