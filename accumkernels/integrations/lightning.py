@@ -17,9 +17,10 @@ the checkpoint's optimizer state is not loaded yet) the callback
   ``ddp_comm_hook`` argument does only on CUDA.
 
 Lightning divides the loss by ``accumulate_grad_batches`` itself, hence the wrapper's default
-``reduction="sum"``; ``FP32Accumulation(reduction="mean")`` (a second division) is refused. A window the wrapper skips (non-finite) is a step skipped the way a
-GradScaler overflow is in Lightning: no weight update, and the LR scheduler still advances
-(Lightning does not ask whether a step was skipped). DeepSpeed and FSDP strategies are
+``reduction="sum"``; ``FP32Accumulation(reduction="mean")`` (a second division) is refused. A
+window the wrapper skips (non-finite) is a step skipped the way a GradScaler overflow is in
+Lightning: no weight update, and the LR scheduler still advances (Lightning does not ask whether
+a step was skipped). DeepSpeed and FSDP strategies are
 refused. ``lightning`` is imported when ``FP32Accumulation`` is first used.
 """
 

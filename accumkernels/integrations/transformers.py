@@ -80,13 +80,13 @@ def _refuse_before_init(given: dict, options: dict, fp32_masters_only: bool) -> 
         while isinstance(cls, functools.partial):
             cls = cls.func
         if isinstance(cls, type) and issubclass(cls, AccumulatingOptimizer):
+            given = ", ".join(f"{k!r}: {v!r}" for k, v in sorted(options.items()))
             raise ValueError(
                 f"accumkernels: the class given through optimizer_cls_and_kwargs, "
                 f"{cls.__qualname__}, is already an AccumulatingOptimizer, so the integration "
-                f"builds no wrapper and the options {sorted(options)} would not reach it. Give "
-                f"them in the class's keyword arguments (optimizer_cls_and_kwargs=({cls.__name__}, "
-                f"{{..., {', '.join(f'{k!r}: ...' for k in sorted(options))}}})), or name the "
-                f"plain optimizer class")
+                f"builds no wrapper and the options {{{given}}} would not reach it. Put them "
+                f"in the class's keyword arguments, optimizer_cls_and_kwargs=({cls.__name__}, "
+                f"{{..., {given}}}), or name the plain optimizer class")
 
 
 class AccumulatingTrainerMixin:
