@@ -19,12 +19,14 @@ It is an ``accelerate.Accelerator`` whose ``prepare`` also
   advance.
 
 DeepSpeed, FSDP and Megatron-LM (engines that own the gradient path) are refused when it is
-built. ``accelerate`` is imported when ``AccumulatingAccelerator`` is first used.
+built; so is ``reduction="mean"`` with ``gradient_accumulation_steps`` > 1 (``backward`` already
+divides the loss by it). ``accelerate`` is imported when ``AccumulatingAccelerator`` is first used.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -112,6 +114,32 @@ def _refuse_engines(accelerator) -> None:
             "accumkernels.ddp_comm_hook to reduce its fp32 window. Leave comm_hook out.")
 
 
+def _divides(steps: int) -> str | None:
+    """What Accelerate does to the loss with ``steps`` micro-batches per window (for the refusal
+    of ``reduction="mean"``): ``backward`` divides by them when there are more than one."""
+    if steps <= 1:
+        return None
+    return (f"Accelerate's accelerator.backward(loss) divides the loss by "
+            f"gradient_accumulation_steps={steps}")
+
+
+def _steps_before_init(init, accelerator, args: tuple, kwargs: dict) -> int:
+    """``gradient_accumulation_steps`` as ``Accelerator.__init__`` will resolve it (its
+    argument, a ``GradientAccumulationPlugin``, or ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``),
+    read before it builds its process-wide state. Arguments it refuses: 1 (it says why)."""
+    from accelerate.utils import parse_choice_from_env
+
+    try:
+        given = inspect.signature(init).bind_partial(accelerator, *args, **kwargs).arguments
+        plugin = given.get("gradient_accumulation_plugin")
+        if plugin is not None:
+            return int(plugin.num_steps)
+        steps = given.get("gradient_accumulation_steps", 1)
+        return int(parse_choice_from_env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", steps))
+    except (TypeError, ValueError, AttributeError):
+        return 1
+
+
 def _build_class() -> type:
     from accelerate import Accelerator
 
@@ -120,18 +148,35 @@ def _build_class() -> type:
 
         Args: those of ``Accelerator``, and ``accumkernels``: a dict of AccumulatingOptimizer
         keyword arguments (``reduction``, ``master_weights``, ``max_grad_norm``,
-        ``nonfinite``, ...), passed through to every wrapper it builds.
+        ``nonfinite``, ...), passed through to every wrapper it builds; checked (names and
+        values) before Accelerate builds anything. With ``gradient_accumulation_steps`` > 1
+        ``accelerator.backward`` divides the loss, and ``reduction="mean"`` (a second
+        division) is refused; with 1 it divides nothing, and ``"mean"`` divides the windows of
+        a hand loop (several backwards per ``step()``) as the loop asks.
         """
 
         def __init__(self, *args, accumkernels: Mapping | None = None, **kwargs):
-            options = common.check_options(accumkernels)
+            steps = _steps_before_init(Accelerator.__init__, self, args, kwargs)
+            options = common.check_options(accumkernels, normalised_by=_divides(steps))
             super().__init__(*args, **kwargs)
             self.accumkernels_options = options
             _refuse_engines(self)
 
+        def _check_before_wrapping(self, optimizers) -> None:
+            """``gradient_accumulation_steps`` may have been raised since construction (its
+            setter): the second division is refused before anything is prepared; so are options
+            for an optimizer that is already a wrapper."""
+            common.check_options(self.accumkernels_options,
+                                 normalised_by=_divides(self.gradient_accumulation_steps))
+            for optimizer in optimizers:
+                common.refuse_options_for_wrapped(common.inner_wrapper(optimizer),
+                                                  self.accumkernels_options)
+
         def prepare(self, *args, device_placement=None):
             """Accelerate's ``prepare``, after every object is checked (nothing is wrapped
             when one of them is refused, whatever the order of the arguments)."""
+            self._check_before_wrapping(
+                [obj for obj in args if isinstance(obj, torch.optim.Optimizer)])
             for obj in args:
                 if isinstance(obj, torch.nn.Module):
                     common.refuse_foreign_engines(list(obj.parameters()), obj)
@@ -159,6 +204,7 @@ def _build_class() -> type:
 
         def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
             """Accelerate's ``prepare_optimizer`` on ``AccumulatingOptimizer(optimizer)``."""
+            self._check_before_wrapping([optimizer])
             if getattr(optimizer, "_is_accelerate_prepared", False):
                 return super().prepare_optimizer(optimizer, device_placement=device_placement)
             wrapper = common.wrap_optimizer(optimizer, self.accumkernels_options)

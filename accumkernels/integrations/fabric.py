@@ -30,7 +30,6 @@ import torch
 
 from accumkernels import integrations as common
 from accumkernels._engines import foreign_engine_error
-from accumkernels.optim import AccumulatingOptimizer
 
 __all__ = ["setup"]
 
@@ -40,17 +39,19 @@ _FOREIGN_STRATEGIES = {"DeepSpeedStrategy": "DeepSpeed", "FSDPStrategy": "FSDP"}
 def setup(fabric, module: torch.nn.Module, optimizer: torch.optim.Optimizer, **options):
     """``fabric.setup(module, optimizer)`` with the optimizer in an ``AccumulatingOptimizer``
     (``accumulation_steps=None``, ``**options`` passed through; one already wrapped, e.g. a
-    by-name class, is kept as it is) and ``accumkernels.ddp_comm_hook`` registered on the
-    ``DistributedDataParallel`` module Fabric builds. Returns ``(module, optimizer)``."""
+    by-name class, is kept as it is, and refused with options: they would not reach it) and
+    ``accumkernels.ddp_comm_hook`` registered on the ``DistributedDataParallel`` module Fabric
+    builds. Returns ``(module, optimizer)``.
+
+    Everything that can be refused without building anything (the options' names and values,
+    the strategy, the optimizer) is refused before Fabric moves or casts the module."""
+    options = common.check_options(options)  # Fabric divides nothing: the loop does
     for cls in type(fabric.strategy).__mro__:
         if cls.__name__ in _FOREIGN_STRATEGIES:
             raise foreign_engine_error(
                 f"the Fabric strategy is {_FOREIGN_STRATEGIES[cls.__name__]} "
                 f"({type(fabric.strategy).__name__})")
-    options = common.check_options(options)
-    if isinstance(optimizer, AccumulatingOptimizer) and options:
-        raise ValueError(f"the optimizer is already an AccumulatingOptimizer; give the options "
-                         f"{sorted(options)} where it is built")
+    common.check_wrappable(optimizer, options, model=module)
     module = fabric.setup_module(module)
     # Fabric keeps the module it built (DDP under strategy="ddp") as the forward module
     ddp = common.find_ddp(getattr(module, "_forward_module", None))

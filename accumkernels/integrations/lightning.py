@@ -17,9 +17,10 @@ the checkpoint's optimizer state is not loaded yet) the callback
   ``ddp_comm_hook`` argument does only on CUDA.
 
 Lightning divides the loss by ``accumulate_grad_batches`` itself, hence the wrapper's default
-``reduction="sum"``. A window the wrapper skips (non-finite) is a step skipped the way a
-GradScaler overflow is in Lightning: no weight update, and the LR scheduler still advances
-(Lightning does not ask whether a step was skipped). DeepSpeed and FSDP strategies are
+``reduction="sum"``; ``FP32Accumulation(reduction="mean")`` (a second division) is refused. A
+window the wrapper skips (non-finite) is a step skipped the way a GradScaler overflow is in
+Lightning: no weight update, and the LR scheduler still advances (Lightning does not ask whether
+a step was skipped). DeepSpeed and FSDP strategies are
 refused. ``lightning`` is imported when ``FP32Accumulation`` is first used.
 """
 
@@ -34,6 +35,12 @@ __all__ = ["FP32Accumulation"]
 
 _FOREIGN_STRATEGIES = {"DeepSpeedStrategy": "DeepSpeed", "FSDPStrategy": "FSDP"}
 
+# What Lightning does to the loss, for the refusal of reduction="mean" (a second division).
+_LIGHTNING_DIVIDES = ("Lightning's automatic optimization divides the loss by "
+                      "accumulate_grad_batches before backward (under manual optimization, "
+                      "where Lightning divides nothing, build AccumulatingOptimizer(..., "
+                      "reduction='mean') in configure_optimizers instead)")
+
 
 def _attach(trainer, pl_module, options: dict) -> None:
     """Wrap the configured optimizers, register the comm hook (checks first, then changes)."""
@@ -47,6 +54,9 @@ def _attach(trainer, pl_module, options: dict) -> None:
     if ddp is not None:
         common.check_ddp_hook(ddp)  # a foreign hook is refused before anything is wrapped
     optimizers = list(strategy.optimizers)
+    for opt in optimizers:  # options for a wrapper built in configure_optimizers: not dropped
+        common.refuse_options_for_wrapped(common.inner_wrapper(opt), options,
+                                          "an optimizer configure_optimizers returned")
     params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     common.refuse_foreign_engines(params, strategy.model)
     wrapped = [common.wrap_optimizer(opt, options, model=pl_module) for opt in optimizers]
@@ -63,13 +73,15 @@ def _callback_class() -> type:
     class FP32Accumulation(Callback):
         """Lightning callback: fp32 gradient accumulation for the module's optimizers.
 
-        Keyword arguments are AccumulatingOptimizer's (``reduction``, ``master_weights``,
-        ``max_grad_norm``, ``nonfinite``, ...), passed through to every wrapper it builds.
+        Keyword arguments are AccumulatingOptimizer's (``master_weights``, ``max_grad_norm``,
+        ``nonfinite``, ...), passed through to every wrapper it builds; checked (names and
+        values) here, before Lightning sets anything up. ``reduction="mean"`` is refused:
+        Lightning already divides the loss by ``accumulate_grad_batches``.
         """
 
         def __init__(self, **options):
             super().__init__()
-            self.options = common.check_options(options)
+            self.options = common.check_options(options, normalised_by=_LIGHTNING_DIVIDES)
 
         def on_fit_start(self, trainer, pl_module) -> None:
             _attach(trainer, pl_module, self.options)

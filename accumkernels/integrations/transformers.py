@@ -18,7 +18,9 @@ It is a ``transformers.Trainer`` that
   its LR scheduler, as after a GradScaler overflow.
 
 The loss stays as the Trainer computes it (already normalised over the window), hence the
-wrapper's default ``reduction="sum"``. DeepSpeed and FSDP are refused. For a Trainer subclass
+wrapper's default ``reduction="sum"``; ``accumkernels={"reduction": "mean"}`` (a second division)
+is refused. ``gradient_accumulation_steps=1`` warns once (``AccumulationWarning``) unless
+``fp32_masters_only=True`` says it is meant. DeepSpeed and FSDP are refused. For a Trainer subclass
 (TRL's ``SFTTrainer``, your own), put the mixin first:
 ``class MyTrainer(AccumulatingTrainerMixin, SFTTrainer)``. ``transformers`` is imported when
 ``AccumulatingTrainer`` is first used.
@@ -27,6 +29,8 @@ wrapper's default ``reduction="sum"``. DeepSpeed and FSDP are refused. For a Tra
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -34,19 +38,77 @@ import torch
 
 from accumkernels import integrations as common
 from accumkernels._engines import foreign_engine_error
+from accumkernels.optim import AccumulatingOptimizer
 
 __all__ = ["AccumulatingTrainer", "AccumulatingTrainerMixin"]
+
+
+# What the Trainer does to the loss, for the refusal of reduction="mean" (a second division).
+_TRAINER_DIVIDES = ("the Trainer divides each micro-batch's loss by gradient_accumulation_steps "
+                    "(or, for a model that takes loss kwargs, by the window's token count "
+                    "num_items_in_batch)")
+
+
+def _given_arguments(init, args: tuple, kwargs: dict) -> dict:
+    """The Trainer's arguments by name, as its ``__init__`` will bind them (a call it refuses:
+    the keywords only; the Trainer then says what is wrong)."""
+    try:
+        return dict(inspect.signature(init).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+
+
+def _refuse_before_init(given: dict, options: dict, fp32_masters_only: bool) -> None:
+    """What the Trainer's arguments show before it builds anything: ``fp32_masters_only`` with
+    accumulation asked for, and options for an optimizer the user already wrapped."""
+    if not isinstance(fp32_masters_only, bool):
+        raise TypeError(f"fp32_masters_only must be a bool, got {fp32_masters_only!r}")
+    steps = getattr(given.get("args"), "gradient_accumulation_steps", 1)
+    if fp32_masters_only and steps != 1:
+        raise ValueError(
+            f"AccumulatingTrainer(fp32_masters_only=True) says the windows hold one micro-batch "
+            f"on purpose, but the TrainingArguments ask for gradient_accumulation_steps={steps}; "
+            f"drop fp32_masters_only (it only silences the warning about "
+            f"gradient_accumulation_steps=1)")
+    optimizers = given.get("optimizers")
+    if isinstance(optimizers, (tuple, list)) and optimizers:
+        common.refuse_options_for_wrapped(common.inner_wrapper(optimizers[0]), options,
+                                          "the optimizer given through optimizers=")
+    cls_and_kwargs = given.get("optimizer_cls_and_kwargs")
+    if isinstance(cls_and_kwargs, (tuple, list)) and cls_and_kwargs and options:
+        cls = cls_and_kwargs[0]
+        while isinstance(cls, functools.partial):
+            cls = cls.func
+        if isinstance(cls, type) and issubclass(cls, AccumulatingOptimizer):
+            given = ", ".join(f"{k!r}: {v!r}" for k, v in sorted(options.items()))
+            raise ValueError(
+                f"accumkernels: the class given through optimizer_cls_and_kwargs, "
+                f"{cls.__qualname__}, is already an AccumulatingOptimizer, so the integration "
+                f"builds no wrapper and the options {{{given}}} would not reach it. Put them "
+                f"in the class's keyword arguments, optimizer_cls_and_kwargs=({cls.__name__}, "
+                f"{{..., {given}}}), or name the plain optimizer class")
 
 
 class AccumulatingTrainerMixin:
     """Turns fp32 accumulation on in a ``transformers.Trainer`` (subclass); see the module.
 
-    Args: those of the Trainer, and ``accumkernels``: a dict of AccumulatingOptimizer keyword
-    arguments (``master_weights``, ``max_grad_norm``, ``nonfinite``, ...) passed through.
+    Args: those of the Trainer, and
+
+    * ``accumkernels``: a dict of AccumulatingOptimizer keyword arguments (``master_weights``,
+      ``max_grad_norm``, ``nonfinite``, ...) passed through; checked (names and values) before
+      the Trainer builds anything. ``reduction="mean"`` is refused: the Trainer already
+      normalises the loss over the window.
+    * ``fp32_masters_only``: True says that ``gradient_accumulation_steps=1`` is meant (the
+      wrapper is there for its fp32 master weights alone); otherwise a Trainer with windows of
+      one micro-batch warns once (``accumkernels.integrations.AccumulationWarning``), naming the
+      fix: ``TrainingArguments(gradient_accumulation_steps=N)``.
     """
 
-    def __init__(self, *args, accumkernels: Mapping | None = None, **kwargs):
-        options = common.check_options(accumkernels)
+    def __init__(self, *args, accumkernels: Mapping | None = None,
+                 fp32_masters_only: bool = False, **kwargs):
+        options = common.check_options(accumkernels, normalised_by=_TRAINER_DIVIDES)
+        _refuse_before_init(_given_arguments(super().__init__, args, kwargs), options,
+                            fp32_masters_only)
         super().__init__(*args, **kwargs)
         self.accumkernels_options = options
         if getattr(self, "is_deepspeed_enabled", False):
@@ -54,14 +116,22 @@ class AccumulatingTrainerMixin:
         if getattr(self, "is_fsdp_enabled", False):
             raise foreign_engine_error("the Trainer is configured for FSDP")
         self.add_callback(_attach_callback()(self))
+        if self.args.gradient_accumulation_steps == 1 and not fp32_masters_only:
+            warnings.warn(
+                "AccumulatingTrainer: gradient_accumulation_steps is 1, so every window holds "
+                "one micro-batch and there is nothing to accumulate in fp32. Set "
+                "TrainingArguments(gradient_accumulation_steps=N) to accumulate N micro-batches "
+                "per optimizer step. If one micro-batch per step is meant (the wrapper only for "
+                "its fp32 master weights), pass AccumulatingTrainer(..., fp32_masters_only=True), "
+                "or filter accumkernels.integrations.AccumulationWarning",
+                common.AccumulationWarning, stacklevel=2)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, wrapped (once) in an AccumulatingOptimizer."""
         optimizer = super().create_optimizer(model)
-        if common.inner_wrapper(optimizer) is None:
-            self.optimizer = common.wrap_optimizer(
-                optimizer, self.accumkernels_options,
-                model=model if model is not None else self.model)
+        self.optimizer = common.wrap_optimizer(
+            optimizer, self.accumkernels_options,
+            model=model if model is not None else self.model)
         return self.optimizer
 
 

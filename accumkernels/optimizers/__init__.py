@@ -18,7 +18,8 @@ likewise ``SGD``, ``Adam``, ``RMSprop``, ... (whatever the installed torch has).
       lr: 1.0e-3
 
 ``accumkernels.optimizers.torchao`` and ``accumkernels.optimizers.schedulefree`` do the same for
-those packages' optimizers (imported on first use); :func:`accumulating` makes the class of any
+those packages' optimizers (imported on first use; not installed, a lookup is an AttributeError,
+:class:`MissingPackageError`, saying what to install); :func:`accumulating` makes the class of any
 other optimizer. The defaults (``accumulation_steps=None``, ``reduction="sum"``) fit the loops
 of those stacks: they divide the loss by the number of micro-batches themselves and call
 ``step()`` only at a window's end.
@@ -28,7 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from accumkernels.optimizers.factory import COLLISION_PREFIX, accumulating, wrapper_options
+from accumkernels.optimizers.factory import (
+    COLLISION_PREFIX,
+    MissingPackageError,
+    accumulating,
+    wrapper_options,
+)
 
 
 def _torch_optimizers() -> list[str]:
@@ -46,5 +52,6 @@ for _name in TORCH_OPTIMIZERS:
     globals()[_name] = accumulating(getattr(torch.optim, _name), module=__name__)
 del _name
 
-__all__ = ["COLLISION_PREFIX", "TORCH_OPTIMIZERS", "accumulating", "wrapper_options"]
+__all__ = ["COLLISION_PREFIX", "TORCH_OPTIMIZERS", "MissingPackageError", "accumulating",
+           "wrapper_options"]
 __all__.extend(TORCH_OPTIMIZERS)

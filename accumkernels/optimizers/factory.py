@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import keyword
 import sys
 import threading
 from typing import Literal
@@ -24,7 +25,7 @@ import torch
 
 from accumkernels.optim import AccumulatingOptimizer
 
-__all__ = ["COLLISION_PREFIX", "accumulating", "wrapper_options"]
+__all__ = ["COLLISION_PREFIX", "MissingPackageError", "accumulating", "wrapper_options"]
 
 # A wrapper option whose name the inner optimizer also takes keeps the inner meaning; the
 # wrapper's is then spelt with this prefix (``wrapper_max_grad_norm``) for that class.
@@ -95,11 +96,22 @@ def accumulating(optimizer_cls: type, *, name: str | None = None,
                         f"{optimizer_cls!r}")
     if issubclass(optimizer_cls, AccumulatingOptimizer):
         raise TypeError(f"{optimizer_cls.__qualname__} is already an AccumulatingOptimizer")
-    name = name or optimizer_cls.__name__
-    if not name.isidentifier():
-        raise ValueError(f"accumulating(): name must be an identifier, got {name!r}")
+    if name is None:
+        name = optimizer_cls.__name__
+    elif not isinstance(name, str):
+        raise TypeError(f"accumulating(): name must be a str (the class's name), got "
+                        f"{type(name).__name__} {name!r}")
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(f"accumulating(): name must be an identifier (not a keyword), got "
+                         f"{name!r}")
     if module is None:
         module = sys._getframe(1).f_globals.get("__name__", "__main__")
+    elif not isinstance(module, str):
+        raise TypeError(f"accumulating(): module must be a str (the dotted name of the module "
+                        f"that holds the class), got {type(module).__name__} {module!r}")
+    elif not all(part.isidentifier() for part in module.split(".")):
+        raise ValueError(f"accumulating(): module must be a dotted module name "
+                         f"('package.module'), got {module!r}")
     key = (optimizer_cls, name, module)
     with _lock:
         if key not in _made:
@@ -119,9 +131,16 @@ def _make(inner_cls: type, name: str, module: str) -> type:
         spelt = COLLISION_PREFIX + option if option in taken else option
         spelling[spelt] = option
         wrapper_params.append(p.replace(name=spelt))
-    if any(s in taken for s in spelling):
-        raise TypeError(f"{inner_cls.__qualname__} takes both a wrapper option and its "
-                        f"{COLLISION_PREFIX!r} spelling; wrap it with AccumulatingOptimizer(...)")
+    both = [option for option in wrapper_options()
+            if option in taken and COLLISION_PREFIX + option in taken]
+    if both:
+        option, spelt = both[0], COLLISION_PREFIX + both[0]
+        raise TypeError(
+            f"accumulating({inner_cls.__qualname__}): its constructor takes both {option!r} and "
+            f"{spelt!r}. A by-name class keeps the optimizer's own {option!r} and spells the "
+            f"wrapper's option {spelt!r}, which this optimizer takes too, so no keyword would "
+            f"reach the wrapper's {option}. Wrap it in code instead: "
+            f"AccumulatingOptimizer({inner_cls.__name__}(params, ...), {option}=...)")
     params = [self_param] + [p for p in inner if p.kind is not P.VAR_KEYWORD]
     params += wrapper_params + var_keyword
     signature = inspect.Signature(params)
@@ -174,6 +193,28 @@ def _rebuild_as(cls: type, rebuild, args: tuple) -> AccumulatingOptimizer:
     opt = rebuild(*args)
     opt.__class__ = cls  # the by-name class adds no state of its own
     return opt
+
+
+class MissingPackageError(AttributeError):
+    """A by-name optimizer of a package that is not installed (``accumkernels.optimizers.torchao``,
+    ``.schedulefree``): an AttributeError, so ``hasattr`` answers False and ``getattr(mod, name,
+    default)`` gives the default, whose message says what to install (``package``)."""
+
+    def __init__(self, module: str, name: str, package: str, cause: ImportError):
+        super().__init__(f"{module}.{name} needs the {package} package, which cannot be "
+                         f"imported ({cause}): pip install {package}", name=name)
+        self.package = package
+
+
+def import_package(module: str, name: str, package: str, what: str | None = None):
+    """``import <what>`` (default: ``package``) for the lookup of ``module.name``; not
+    importable: MissingPackageError naming ``package`` (the distribution to install)."""
+    import importlib
+
+    try:
+        return importlib.import_module(what or package)
+    except ImportError as exc:
+        raise MissingPackageError(module, name, package, exc) from exc
 
 
 def cached_class(namespace: dict, module: str, source, name: str, candidates=None):

@@ -75,3 +75,59 @@ def test_fabric_ddp_two_ranks_equals_native(tmp_path):
         assert refused is not None and "middle of a window" in refused, refused
     for res in results:  # plain fabric.setup under DDP: refused at the first step, by name
         assert "nothing reduces" in res["without_hook"] and "ddp_comm_hook" in res["without_hook"]
+
+
+# -- refusals before Fabric touches anything ------------------------------------------------------
+
+def _bf16_true_fabric():
+    from lightning.fabric import Fabric
+
+    return Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+
+
+def _unchanged(model: torch.nn.Module, before: dict) -> None:
+    for name, p in model.named_parameters():
+        assert p.dtype is torch.float32, f"{name} cast to {p.dtype} by a refused setup"
+        assert torch.equal(p.detach(), before[name]), f"{name} changed by a refused setup"
+    assert not any(hasattr(p, "main_grad") for p in model.parameters())
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"reduction": "avg"}, ValueError, "reduction"),
+    ({"max_grad_norm": 0.0}, ValueError, "max_grad_norm"),
+    ({"reductoin": "sum"}, TypeError, "did you mean 'reduction'"),
+    ({"accumulation_steps": 4}, ValueError, "accumulation_steps=None"),
+])
+def test_setup_refuses_bad_options_before_fabric_casts_the_model(options, error, match):
+    """``precision="bf16-true"``: Fabric casts the module in ``setup_module``; a bad option is
+    refused before, so the module keeps its fp32 params (dtype and values) and no wrapper."""
+    from accumkernels.integrations.fabric import setup
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(error, match=match):
+        setup(_bf16_true_fabric(), model, optimizer, **options)
+    _unchanged(model, before)
+    assert not optimizer.state
+
+
+def test_setup_refuses_options_for_an_optimizer_already_wrapped():
+    """A by-name class or a wrapper built by hand takes its options where it is built: given to
+    ``setup`` they are refused (never dropped), before Fabric casts the module; without options
+    the wrapper is kept as it is."""
+    import accumkernels.optimizers as by_name
+    from accumkernels import AccumulatingOptimizer
+    from accumkernels.integrations.fabric import setup
+
+    builders = (lambda m: by_name.AdamW(m.parameters(), lr=1e-3),
+                lambda m: AccumulatingOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)))
+    for build in builders:
+        model = torch.nn.Linear(4, 2)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        optimizer = build(model)
+        with pytest.raises(ValueError, match="already an AccumulatingOptimizer.*max_grad_norm=1.0"):
+            setup(_bf16_true_fabric(), model, optimizer, max_grad_norm=1.0)
+        assert optimizer.config.max_grad_norm is None
+        for name, p in model.named_parameters():
+            assert p.dtype is torch.float32 and torch.equal(p.detach(), before[name]), name

@@ -109,3 +109,30 @@ def test_by_name_classes_pickle_and_refuse_by_name():
         _ = ao.AdamW2bit
     with pytest.raises(TypeError, match="'block_sise'"):
         ao.AdamW8bit(_model(torch.float32).parameters(), block_sise=256)
+
+
+@pytest.mark.parametrize("module, name, package", [
+    ("accumkernels.optimizers.schedulefree", "SGDScheduleFree", "schedulefree"),
+    ("accumkernels.optimizers.torchao", "AdamW8bit", "torchao"),
+])
+def test_a_missing_package_is_an_attribute_error_naming_it(monkeypatch, module, name, package):
+    """The package not installed (simulated: a None in ``sys.modules`` makes ``import`` raise
+    ModuleNotFoundError, whether or not it is installed): the attribute protocol holds,
+    ``hasattr`` is False and ``getattr(..., None)`` None, and the error names what to install."""
+    import importlib
+    import sys
+
+    mod = importlib.import_module(module)
+    monkeypatch.delitem(mod.__dict__, name, raising=False)  # a class made earlier, cached
+    for missing in [package] + [m for m in sys.modules if m.startswith(package + ".")]:
+        monkeypatch.setitem(sys.modules, missing, None)
+    assert not hasattr(mod, name)
+    assert getattr(mod, name, None) is None
+    with pytest.raises(AttributeError, match=f"pip install {package}") as info:
+        getattr(mod, name)
+    assert isinstance(info.value.__cause__, ImportError)
+    assert name in str(info.value) and module in str(info.value)
+    from accumkernels.optimizers import MissingPackageError
+
+    assert isinstance(info.value, MissingPackageError)
+    assert info.value.package == package

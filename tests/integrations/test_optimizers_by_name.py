@@ -383,3 +383,53 @@ def test_torchtune_component():
                             "fused": False, "max_grad_norm": 1.0})
     opt = config.instantiate(cfg, _model().parameters())
     assert type(opt) is by_name.AdamW and opt.max_grad_norm == 1.0
+
+
+# -- accumulating()'s own arguments -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"name": 123}, TypeError, "name must be a str.*int"),
+    ({"name": b"SGD"}, TypeError, "name must be a str.*bytes"),
+    ({"name": ""}, ValueError, "name must be an identifier"),
+    ({"name": "not valid"}, ValueError, "name must be an identifier"),
+    ({"name": "class"}, ValueError, "keyword"),
+    ({"module": 123}, TypeError, "module must be a str.*int"),
+    ({"module": ["m"]}, TypeError, "module must be a str.*list"),
+    ({"module": ""}, ValueError, "module must be a dotted module name"),
+    ({"module": "a..b"}, ValueError, "module must be a dotted module name"),
+])
+def test_accumulating_refuses_bad_name_and_module_by_argument(kwargs, error, match):
+    """What namedtuple refuses, refused by the argument's name, before any class is made."""
+    with pytest.raises(error, match=match):
+        accumulating(torch.optim.SGD, **kwargs)
+
+
+def test_accumulating_accepts_dotted_modules_and_names():
+    cls = accumulating(torch.optim.SGD, name="PlainSGD", module="my_pkg.optim")
+    assert (cls.__module__, cls.__qualname__, cls.__name__) == ("my_pkg.optim", "PlainSGD",
+                                                                 "PlainSGD")
+    assert accumulating(torch.optim.SGD, name="PlainSGD", module="my_pkg.optim") is cls
+
+
+class TakesBothSpellings(torch.optim.SGD):
+    """An optimizer with its own ``max_grad_norm`` and ``wrapper_max_grad_norm``: the by-name
+    class could spell the wrapper's option neither way."""
+
+    def __init__(self, params, lr=0.1, max_grad_norm=None, wrapper_max_grad_norm=None):
+        super().__init__(params, lr=lr)
+
+
+class TakesBothKeywordOnly(torch.optim.SGD):
+    def __init__(self, params, lr=0.1, *, reduction=None, wrapper_reduction=None):
+        super().__init__(params, lr=lr)
+
+
+@pytest.mark.parametrize("cls, option", [(TakesBothSpellings, "max_grad_norm"),
+                                         (TakesBothKeywordOnly, "reduction")])
+def test_accumulating_refuses_both_spellings_saying_why(cls, option):
+    with pytest.raises(TypeError) as info:
+        accumulating(cls)
+    message = str(info.value)
+    assert f"'{option}'" in message and f"'wrapper_{option}'" in message, message
+    assert "no keyword would reach the wrapper's" in message, message
+    assert f"AccumulatingOptimizer({cls.__name__}(params, ...), {option}=...)" in message, message

@@ -299,10 +299,12 @@ def test_options_pass_through_and_reserved_ones_are_refused(tmp_path):
         AccumulatingTrainer(model=model, args=args, accumkernels={"accumulation_steps": 4})
     with pytest.raises(TypeError, match="not an AccumulatingOptimizer argument"):
         AccumulatingTrainer(model=model, args=args, accumkernels={"max_grad_nrom": 1.0})
-    trainer = AccumulatingTrainer(model=model, args=args,
-                                  accumkernels={"max_grad_norm": 2.0, "reduction": "mean"})
+    with pytest.raises(ValueError, match="reduction='mean'"):  # the Trainer divides already
+        AccumulatingTrainer(model=model, args=args, accumkernels={"reduction": "mean"})
+    trainer = AccumulatingTrainer(model=model, args=args, fp32_masters_only=True,
+                                  accumkernels={"max_grad_norm": 2.0, "nonfinite": "raise"})
     opt = trainer.create_optimizer()
-    assert opt.config.max_grad_norm == 2.0 and opt.config.reduction == "mean"
+    assert opt.config.max_grad_norm == 2.0 and opt.config.nonfinite == "raise"
     assert opt.config.accumulation_steps is None
     assert opt.param_groups[0]["lr"] == args.learning_rate  # the Trainer's own optimizer
     assert trainer.create_optimizer() is opt  # wrapped once
