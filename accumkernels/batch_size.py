@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accumkernels.checks import _positive_int, validate_batch_sizes
+from accumkernels._util import positive_int
+from accumkernels.checks import validate_batch_sizes
 
 __all__ = ["MicroBatchSearch", "find_micro_batch_size"]
 
@@ -65,9 +66,9 @@ def find_micro_batch_size(
     """
     if not callable(train_step):
         raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
-    g = _positive_int("global_batch_size", global_batch_size)
-    w = _positive_int("world_size", world_size)
-    repeats = _positive_int("repeats", repeats)
+    g = positive_int("global_batch_size", global_batch_size)
+    w = positive_int("world_size", world_size)
+    repeats = positive_int("repeats", repeats)
     if g % w:
         raise ValueError(f"global_batch_size={g} is not a multiple of world_size={w}")
     per_rank = g // w
@@ -76,7 +77,7 @@ def find_micro_batch_size(
     else:
         if isinstance(candidates, (int, str)):
             raise TypeError("candidates must be an iterable of ints")
-        sizes = sorted({_positive_int("candidate", c) for c in candidates})
+        sizes = sorted({positive_int("candidate", c) for c in candidates})
         sizes = [s for s in sizes if per_rank % s == 0]
         if not sizes:
             raise ValueError(f"no candidate divides global_batch_size / world_size = {per_rank}; "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from accumkernels.ops import validate
-from accumkernels.ops.accumulate import _accumulate_slots, accumulate_
+from accumkernels.ops.accumulate import accumulate_slots, accumulate_
 from accumkernels.ops.plan import LaunchPlan
 
 __all__ = ["Bucket", "MasterGradBuffer"]
@@ -211,7 +211,7 @@ class MasterGradBuffer:
             return
         if views:
             validate.check_norm_sq(norm_sq, len(self.params), views[0].device)
-        _accumulate_slots(views, grads, scale, overwrite, found_inf, norm_sq,
+        accumulate_slots(views, grads, scale, overwrite, found_inf, norm_sq,
                           [self._norm_slot[id(p)] for p in params], backend)
 
     def norm_index(self, p: torch.Tensor) -> int:

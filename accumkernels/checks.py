@@ -6,22 +6,16 @@ import warnings
 
 import torch
 
+from accumkernels._util import positive_int
+
 __all__ = ["check_model", "validate_batch_sizes"]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
 
 
 def validate_batch_sizes(global_batch_size: int, micro_batch_size: int, world_size: int = 1) -> int:
     """Number of accumulation steps, or a ValueError saying what to change."""
-    g = _positive_int("global_batch_size", global_batch_size)
-    m = _positive_int("micro_batch_size", micro_batch_size)
-    w = _positive_int("world_size", world_size)
+    g = positive_int("global_batch_size", global_batch_size)
+    m = positive_int("micro_batch_size", micro_batch_size)
+    w = positive_int("world_size", world_size)
     per_step = m * w
     if g % per_step:
         lower, upper = g // per_step * per_step, (g // per_step + 1) * per_step

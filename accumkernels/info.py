@@ -67,7 +67,7 @@ def _auto(device: str) -> dict[str, str]:
 
     dev = torch.device(device)
     return {"accumulate": resolve("auto", dev),
-            "master_step": master_step_backends._resolve("auto", dev)}
+            "master_step": master_step_backends.resolve_backend("auto", dev)}
 
 
 def build_info() -> dict[str, Any]:

@@ -82,7 +82,7 @@ def _norm_len(dst: Sequence, norm_sq: torch.Tensor | None, norm_slots: list[int]
     return len(dst) if norm_slots is None or norm_sq is None else norm_sq.numel()
 
 
-def _as_list(name: str, tensors: object) -> Sequence:
+def as_list(name: str, tensors: object) -> Sequence:
     if type(tensors) is list or type(tensors) is tuple:
         return tensors
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
@@ -109,10 +109,10 @@ def _scale_arg(scale: object) -> tuple[float, torch.Tensor | None]:
     return value, None
 
 
-def _check_call(src: object, overwrite: object, scale: object, found_inf: object,
+def check_call(src: object, overwrite: object, scale: object, found_inf: object,
                 norm_sq: object = None) -> tuple[Sequence, float, torch.Tensor | None]:
     """The checks every launch makes on its non-tensor arguments."""
-    src = _as_list("src", src)
+    src = as_list("src", src)
     if overwrite is not True and overwrite is not False:
         fail(TypeError, f"overwrite must be a bool, got {type(overwrite).__name__}")
     value, scale_tensor = _scale_arg(scale)
@@ -122,7 +122,7 @@ def _check_call(src: object, overwrite: object, scale: object, found_inf: object
     return src, value, scale_tensor
 
 
-def _check_backend(backend: object) -> None:
+def check_backend(backend: object) -> None:
     if not isinstance(backend, str):
         fail(TypeError, f"backend must be a string, got {type(backend).__name__}")
     if backend not in _KNOWN_BACKENDS:
@@ -159,7 +159,7 @@ def accumulate_(
     """
     # Fast paths first (lists, a float scale): this prologue is most of a short call's cost.
     if type(dst) is not list and type(dst) is not tuple:
-        dst = _as_list("dst", dst)
+        dst = as_list("dst", dst)
     if (type(src) is list or type(src) is tuple) and type(scale) is float \
             and -_FP32_OVERFLOW < scale < _FP32_OVERFLOW \
             and (overwrite is False or overwrite is True) \
@@ -167,11 +167,11 @@ def accumulate_(
             and (norm_sq is None or isinstance(norm_sq, torch.Tensor)):
         value, scale_tensor = scale, None
     else:
-        src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf, norm_sq)
+        src, value, scale_tensor = check_call(src, overwrite, scale, found_inf, norm_sq)
     if len(dst) != len(src):
         fail(ValueError, f"dst has {len(dst)} tensors but src has {len(src)}")
     if type(backend) is not str or backend not in _KNOWN_BACKENDS:
-        _check_backend(backend)
+        check_backend(backend)
     if not dst:
         return
     first = dst[0]
@@ -184,7 +184,7 @@ def accumulate_(
         name = backends.resolve(backend, device)
     if not (_is_compiling() or _dispatch_modes() or _functorch_active()):  # plain eager
         if name == "cpu" and native.READER:  # the common case, straight to the extension
-            flags = ((CHECK_AUTOGRAD if _grad_enabled() else 0)  # _flags(), inlined
+            flags = ((CHECK_AUTOGRAD if _grad_enabled() else 0)  # kernel_flags(), inlined
                      | (0 if _inference_mode() else CHECK_INFERENCE))
             if native.run_cpu(dst, src, value, scale_tensor, overwrite, found_inf, flags,
                               norm_sq) is None:
@@ -207,23 +207,23 @@ def _traced(dst, src, value, scale_tensor, overwrite, found_inf, name, norm_sq, 
                                        found_inf, name, norm_sq, norm_slots)
 
 
-def _accumulate_slots(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor],
+def accumulate_slots(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor],
                       scale: float | torch.Tensor, overwrite: bool, found_inf, norm_sq,
                       norm_slots: list[int], backend: str) -> None:
     """``accumulate_`` with dst[i]'s squared norm into ``norm_sq[norm_slots[i]]``: what a
     LaunchPlan or MasterGradBuffer launch takes when it cannot use the C++ plan (the caller
     checked norm_sq's size and the slots: in range, distinct)."""
-    src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf, norm_sq)
+    src, value, scale_tensor = check_call(src, overwrite, scale, found_inf, norm_sq)
     if len(dst) != len(src):
         fail(ValueError, f"dst has {len(dst)} tensors but src has {len(src)}")
-    _check_backend(backend)
+    check_backend(backend)
     if not dst:
         return
     if not isinstance(dst[0], torch.Tensor):
         fail(TypeError, f"dst[0] must be a torch.Tensor, got {type(dst[0]).__name__}")
     device = dst[0].device
     name = backends.resolve(backend, device)
-    if _plain_eager():
+    if plain_eager():
         _run(dst, src, value, scale_tensor, overwrite, found_inf, name, device, norm_sq,
              list(norm_slots))
     else:
@@ -231,13 +231,13 @@ def _accumulate_slots(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor],
                 list(norm_slots))
 
 
-def _flags() -> int:
+def kernel_flags() -> int:
     """Which autograd rules of in-place ops apply now."""
     return ((CHECK_AUTOGRAD if _grad_enabled() else 0)
             | (0 if _inference_mode() else CHECK_INFERENCE))
 
 
-def _plain_eager() -> bool:
+def plain_eager() -> bool:
     """No compiler, dispatch mode (FakeTensorMode, make_fx) or functorch transform is active."""
     return not (_is_compiling() or _dispatch_modes() or _functorch_active())
 
@@ -250,7 +250,7 @@ def _run(dst, src, scale, scale_tensor, overwrite, found_inf, backend, device, n
     if device.type == "meta":  # no data: check what can be checked, write nothing
         validate.check_shapes(dst, src, scale_tensor, found_inf, norm_sq, norm_len)
         return
-    flags = _flags()
+    flags = kernel_flags()
     if native.READER and norm_slots is None:
         failed = native.run(dst, src, scale, scale_tensor, overwrite, found_inf, flags, backend,
                             device, norm_sq)

@@ -38,10 +38,10 @@ import accumkernels.ops.master_step_checks as checks
 from accumkernels.ops import layouts
 from accumkernels.ops.backends import master_step_cpu
 from accumkernels.ops.master_step_backends import (
-    _KNOWN,
+    KNOWN_BACKENDS,
     BACKENDS,
-    _backend_fn,
-    _resolve,
+    backend_fn,
+    resolve_backend,
     available_backends,
 )
 
@@ -96,7 +96,7 @@ def master_adam_step_(
     for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("adamw", adamw),
                         ("write_grad", write_grad)):
         checks.check_bool(op, name, value)
-    _check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend, plain)
+    check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend, plain)
     if not lists[0]:
         return
     args = (*lists, float(lr_value), lr_tensor, float(beta1), float(beta2), float(weight_decay),
@@ -146,7 +146,7 @@ def master_sgd_step_(
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{op}: nesterov requires a momentum and zero dampening (got momentum="
                          f"{momentum}, dampening={dampening}), as torch.optim.SGD")
-    _check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend, plain)
+    check_call(op, lists[0], grad_scale, found_inf, lr_tensor, backend, plain)
     if not lists[0]:
         return
     args = (*lists, float(lr_value), lr_tensor, float(momentum), float(dampening),
@@ -265,7 +265,7 @@ def _adam_lists(masters, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
         if len(plan) == 1:
             checks.check_no_overlap(op, dict(zip(_ADAM_LISTS, lists)))
         torch._foreach_add_(steps, 1)  # torch's _fused_adam: the kernel reads the new steps
-        _backend_fn(name, "adam")(*sub, mx, steps, **kw)
+        backend_fn(name, "adam")(*sub, mx, steps, **kw)
         if fi is not None:
             torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
 
@@ -309,7 +309,7 @@ def _sgd_impl(masters, weights, grads, momentum_buffers, lr, lr_tensor, momentum
             _raise_overlap(op, _SGD_LISTS, part, master_step_cpu.sgd(*sub, bufs, **kw))
             _bump(sub, bufs, gs is not None and write_grad)
         else:
-            _backend_fn(name, "sgd")(*sub, bufs, **kw)
+            backend_fn(name, "sgd")(*sub, bufs, **kw)
     layouts.write_back(back)
 
 
@@ -320,7 +320,7 @@ def _plan(backend, masters, weights, grads, state, plain: bool = False
     reference. ``plain``: every entry is known plain, on one device (checks.lists_plain)."""
     first = masters[0].device
     if plain:
-        return [(first, _resolve(backend, first), list(range(len(masters))))]
+        return [(first, resolve_backend(backend, first), list(range(len(masters))))]
     if all(m.device == first for m in masters):
         groups = {first: range(len(masters))}
     else:
@@ -329,7 +329,7 @@ def _plan(backend, masters, weights, grads, state, plain: bool = False
             groups.setdefault(m.device, []).append(i)
     plan = []
     for device, idx in groups.items():
-        name = _resolve(backend, device)
+        name = resolve_backend(backend, device)
         if name == "torch":
             plan.append((device, name, list(idx)))
             continue
@@ -368,7 +368,7 @@ def _bump(sub, extra, grads_written: bool) -> None:
     torch._C._increment_version(written)
 
 
-def _check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backend,
+def check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backend,
                 one_device: bool = False) -> None:
     """The scalars and the backend; ``one_device``: every master is on ``masters[0]``'s."""
     for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
@@ -381,8 +381,8 @@ def _check_call(op: str, masters: list, grad_scale, found_inf, lr_tensor, backen
                              f"{t.numel()} elements of {t.dtype}")
     if not isinstance(backend, str):
         raise TypeError(f"{op}: backend must be a string, got {type(backend).__name__}")
-    if backend not in _KNOWN:
+    if backend not in KNOWN_BACKENDS:
         raise ValueError(f"{op}: unknown backend {backend!r}; choose from "
                          + ", ".join(repr(b) for b in ("auto", *BACKENDS)))
     for device in {masters[0].device} if one_device and masters else {m.device for m in masters}:
-        _resolve(backend, device, op)  # raises for an unavailable backend
+        resolve_backend(backend, device, op)  # raises for an unavailable backend

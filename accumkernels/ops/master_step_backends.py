@@ -17,12 +17,12 @@ except ImportError:  # pragma: no cover
     master_step_triton = None
 
 BACKENDS = ("cpu", "cuda", "triton", "torch")
-_KNOWN = ("auto", *BACKENDS, "cuda_host")  # cuda_host: the CUDA kernel played on the CPU (tests)
+KNOWN_BACKENDS = ("auto", *BACKENDS, "cuda_host")  # cuda_host: the CUDA kernel played on the CPU (tests)
 
 _RESOLVED: dict[tuple[str, torch.device], str] = {}
 
 
-def _resolve(backend: str, device: torch.device, op: str = "master step") -> str:
+def resolve_backend(backend: str, device: torch.device, op: str = "master step") -> str:
     """The backend that runs on ``device``: ``"auto"`` resolved, an explicit name checked."""
     key = (backend, device)
     if key not in _RESOLVED:
@@ -58,7 +58,7 @@ def _available(name: str, device: torch.device) -> bool:
         and master_step_triton.is_available(device)
 
 
-def _backend_fn(name: str, algo: str):
+def backend_fn(name: str, algo: str):
     if name == "torch":
         return getattr(master_step_ref, algo)
     if name == "triton":

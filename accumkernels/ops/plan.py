@@ -15,12 +15,12 @@ from accumkernels.ops.backends import native
 from accumkernels.ops import validate
 from accumkernels.ops.validate import fail
 from accumkernels.ops.accumulate import (
-    _accumulate_slots,
-    _as_list,
-    _check_backend,
-    _check_call,
-    _flags,
-    _plain_eager,
+    accumulate_slots,
+    as_list,
+    check_backend,
+    check_call,
+    kernel_flags,
+    plain_eager,
     accumulate_,
 )
 
@@ -59,8 +59,8 @@ class LaunchPlan:
                  owner: torch.Tensor | None = None, backend: str = "auto",
                  norm_slots: Sequence[int] | None = None, norm_size: int | None = None,
                  reorder: bool = False):
-        dst = list(_as_list("dst", dst))
-        _check_backend(backend)
+        dst = list(as_list("dst", dst))
+        check_backend(backend)
         self.norm_slots, self.norm_size = _plan_norm_slots(len(dst), norm_slots, norm_size)
         if keys is not None:
             keys = list(keys)
@@ -104,20 +104,20 @@ class LaunchPlan:
         ``keys[k]`` (without keys: ``dst[k]``, and src covers every dst); with ``norm_sq``, its
         element ``norm_slots[j]`` = the squared norm of each written ``dst[j]``. A key that is not
         one of the plan's raises KeyError (before anything is written)."""
-        src, value, scale_tensor = _check_call(src, overwrite, scale, found_inf, norm_sq)
+        src, value, scale_tensor = check_call(src, overwrite, scale, found_inf, norm_sq)
         if keys is not None and len(keys) != len(src):
             fail(ValueError, f"dst has {len(keys)} tensors but src has {len(src)}")
         if keys is None and len(src) != len(self.dst):
             fail(ValueError, f"dst has {len(self.dst)} tensors but src has {len(src)}")
-        if self._native is not None and _plain_eager():
+        if self._native is not None and plain_eager():
             given = self._native_src(keys, src) if self._bent else src
             failed = native.run_plan(self._native, keys, given, value, scale_tensor, overwrite,
-                                     found_inf, _flags(), self.backend, self.device, norm_sq)
+                                     found_inf, kernel_flags(), self.backend, self.device, norm_sq)
             if failed is not None and failed[0] == "pair" and not self._bent:
                 given = self._native_src(keys, src)  # a src in another layout
                 if given is not src:
                     failed = native.run_plan(self._native, keys, given, value, scale_tensor,
-                                             overwrite, found_inf, _flags(), self.backend,
+                                             overwrite, found_inf, kernel_flags(), self.backend,
                                              self.device, norm_sq)
             if failed is None:
                 return
@@ -136,7 +136,7 @@ class LaunchPlan:
         positions = self._positions(keys)
         if self.dst:
             validate.check_norm_sq(norm_sq, self.norm_size, self.device)
-        _accumulate_slots([self.dst[i] for i in positions], src, scale, overwrite, found_inf,
+        accumulate_slots([self.dst[i] for i in positions], src, scale, overwrite, found_inf,
                           norm_sq, [self.norm_slots[i] for i in positions], self.backend)
 
     def _native_src(self, keys: Sequence | None, src: Sequence) -> Sequence:

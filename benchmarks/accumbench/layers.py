@@ -40,7 +40,7 @@ def call_layers(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale:
     if name in native.KERNELS:
         if native.READER:
             layers["binding"] = lambda: native.run(dst, src, scale, None, overwrite, None,
-                                                   ops._flags(), name, device)
+                                                   ops.kernel_flags(), name, device)
         else:
             layers["binding"] = native.prepared_launch(dst, src, scale, overwrite)
     return layers
@@ -54,6 +54,6 @@ def plan_layers(plan: LaunchPlan, src: Sequence[torch.Tensor], scale: float = 1.
     layers = {"plan": lambda: plan(src, scale, keys=keys, overwrite=overwrite)}
     if plan._native is not None:
         layers["plan_binding"] = lambda: native.run_plan(
-            plan._native, keys, src, scale, None, overwrite, None, ops._flags(), plan.backend,
+            plan._native, keys, src, scale, None, overwrite, None, ops.kernel_flags(), plan.backend,
             plan.device)
     return layers

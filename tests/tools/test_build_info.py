@@ -128,7 +128,7 @@ def test_the_report_says_what_auto_picks_on_the_cpu(capsys) -> None:
 
     cpu = torch.device("cpu")
     expected = {"accumulate": resolve("auto", cpu),
-                "master_step": master_step_backends._resolve("auto", cpu)}
+                "master_step": master_step_backends.resolve_backend("auto", cpu)}
     assert accumkernels.build_info()["auto"]["cpu"] == expected
     row = _row(_report(capsys), "auto on cpu")
     assert row.startswith(expected["accumulate"]), row
