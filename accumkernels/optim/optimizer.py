@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from accumkernels._engines import refuse_foreign_engines
-from accumkernels._util import finite_positive
+from accumkernels._util import finite_positive, known_keywords
 from accumkernels.checks import check_model
 from accumkernels.optim import protocol
 from accumkernels.optim.config import make_config
@@ -108,6 +108,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             train apart).
     """
 
+    @known_keywords  # (a misspelt option: "did you mean", before anything is touched)
     def __init__(self, optimizer: torch.optim.Optimizer, *, accumulation_steps=None,
                  reduction="sum", master_weights="auto", accumulate_in_backward=True,
                  max_grad_norm=None, nonfinite="skip_step", loss_scale=None,
