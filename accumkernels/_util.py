@@ -1,4 +1,5 @@
-"""Argument checks and dtype constants shared by every layer (written once, here)."""
+"""Argument checks, dtype constants and the warning category shared by every layer (written once,
+here)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import inspect
 import math
 import numbers
 import os
+import sys
+import warnings
 
 import torch
 
@@ -27,6 +30,25 @@ def check_choice(name: str, value: object, choices: tuple) -> None:
         known = False
     if not known:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+class AccumulationWarning(UserWarning):
+    """A setup that runs but does not accumulate as it asked to (a mistake the wrapper or an
+    integration can see from the calls it gets). Each is emitted once per wrapper and names its
+    fix; ``warnings.filterwarnings("ignore", category=accumkernels.optim.AccumulationWarning)``
+    silences them all (add ``message=`` with the start of one message to silence only that one).
+    """
+
+
+def warn_user(message: str, category: type[Warning] = AccumulationWarning) -> None:
+    """``warnings.warn`` pointing at the first caller outside accumkernels and torch (its
+    ``no_grad`` decorator, the step patch of LR schedulers), so a warning names the user's line
+    whatever room raised it."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and str(frame.f_globals.get("__name__")).split(".")[0] in (
+            "accumkernels", "torch"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def did_you_mean(word: str, known) -> str:
