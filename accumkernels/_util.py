@@ -1,13 +1,18 @@
-"""Argument checks and dtype constants shared by every layer (written once, here)."""
+"""Argument checks, dtype constants and the warning category shared by every layer (written once,
+here)."""
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import importlib.util
+import inspect
 import math
 import numbers
 import os
+import sys
+import warnings
 
 import torch
 
@@ -25,6 +30,54 @@ def check_choice(name: str, value: object, choices: tuple) -> None:
         known = False
     if not known:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+class AccumulationWarning(UserWarning):
+    """A setup that runs but does not accumulate as it asked to (a mistake the wrapper or an
+    integration can see from the calls it gets). Each is emitted once per wrapper and names its
+    fix; ``warnings.filterwarnings("ignore", category=accumkernels.optim.AccumulationWarning)``
+    silences them all (add ``message=`` with the start of one message to silence only that one).
+    """
+
+
+def warn_user(message: str, category: type[Warning] = AccumulationWarning) -> None:
+    """``warnings.warn`` pointing at the first caller outside accumkernels and torch (its
+    ``no_grad`` decorator, the step patch of LR schedulers), so a warning names the user's line
+    whatever room raised it."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and str(frame.f_globals.get("__name__")).split(".")[0] in (
+            "accumkernels", "torch"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def did_you_mean(word: str, known) -> str:
+    """`` (did you mean 'x'?)`` with the one of ``known`` closest to a misspelt ``word``, or ''."""
+    close = difflib.get_close_matches(word, sorted(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def known_keywords(init):
+    """Decorate an ``__init__``: a keyword it does not name is a TypeError that suggests the
+    closest one (:func:`did_you_mean`), raised before its body runs (nothing changed yet);
+    ``inspect.signature`` and ``help()`` still show ``init``'s own parameters (``__wrapped__``)."""
+    P = inspect.Parameter
+    params = list(inspect.signature(init).parameters.values())[1:]
+    if any(p.kind is P.VAR_KEYWORD for p in params):
+        return init  # (it takes any keyword)
+    names = [p.name for p in params if p.kind is not P.VAR_POSITIONAL]
+    options = [p.name for p in params if p.kind is P.KEYWORD_ONLY]
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        for key in kwargs:
+            if key not in names:
+                raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument "
+                                f"{key!r}{did_you_mean(key, names)}; its options are "
+                                f"{', '.join(options)}")
+        return init(self, *args, **kwargs)
+
+    return checked
 
 
 def positive_int(name: str, value: object) -> int:

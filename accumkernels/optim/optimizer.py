@@ -17,6 +17,7 @@ The rooms (each owns its state and its piece of the checkpoint; none holds the f
   (outside.py): fp32 master weights, the non-finite policy, loss scaling, params outside the
   window;
 * the layout (parts.py; fsdp2.py): flat buffer or FSDP2 shards, picked by a factory;
+* ``cadence`` (cadence.py): what the ``step()``/``flush()`` calls did, and the warnings on it;
 * ``checkpoint`` (checkpoint.py, fsdp2_checkpoint.py): assembles the rooms' pieces;
   live_state.py: what ``opt.state``/``opt.param_groups`` show (the keys a checkpoint holds).
 """
@@ -28,9 +29,10 @@ import weakref
 import torch
 
 from accumkernels._engines import refuse_foreign_engines
-from accumkernels._util import finite_positive
+from accumkernels._util import finite_positive, known_keywords
 from accumkernels.checks import check_model
 from accumkernels.optim import protocol
+from accumkernels.optim.cadence import Cadence
 from accumkernels.optim.config import make_config
 from accumkernels.optim.intake.backward import remove_handles, weight_pass
 from accumkernels.optim.intake.guard import follow_move
@@ -48,6 +50,7 @@ from accumkernels.optim.parts import (
 from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
 from accumkernels.optim.scaling import LossScaler
 from accumkernels.optim.sync.ddp import ddp_sync_for
+from accumkernels.optim.sync.ddp_hook import register as register_ddp_hook
 
 __all__ = ["AccumulatingOptimizer"]
 
@@ -106,8 +109,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             for FSDP2 (DTensor params).
         independent_ranks: allow a multi-rank job without ``process_group`` or DDP (ranks
             train apart).
+
+    A misspelt keyword is a TypeError suggesting the option meant. With N given, each of these
+    warns once per wrapper, naming its fix (``accumkernels.optim.AccumulationWarning``; silence
+    with ``warnings.filterwarnings("ignore", category=AccumulationWarning)``): an LR scheduler
+    stepped on ``step()`` calls that did not step; 3 windows in a row of one micro-batch (N > 1).
     """
 
+    @known_keywords  # (a misspelt option: "did you mean", before anything is touched)
     def __init__(self, optimizer: torch.optim.Optimizer, *, accumulation_steps=None,
                  reduction="sum", master_weights="auto", accumulate_in_backward=True,
                  max_grad_norm=None, nonfinite="skip_step", loss_scale=None,
@@ -129,9 +138,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         config = config.with_masters(params)  # (opt.master_weights answers True or False)
         refuse_foreign_engines(params, model=model, optimizer=optimizer)  # DeepSpeed, FSDP1
         layout.check(params)  # stray DTensor params: refused before any state is built
-        # torch.optim.Optimizer.__init__ would build its own param_groups and patch step() to
-        # run hooks on every call; the wrapper shares the inner optimizer's groups and runs the
-        # hooks around real steps only (optim.protocol).
+        # torch.optim.Optimizer.__init__ would build its own param_groups and patch step() to run
+        # hooks on every call; the wrapper shares the inner's groups, hooks real steps only.
         protocol.init_hook_registries(self)
         self._warned_capturable_if_run_uncaptured = True
         self.optimizer, self.config, self._layout = optimizer, config, layout
@@ -143,13 +151,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         masters = MasterWeights(optimizer, config.master_weights)
         self._parts = Parts(config, optimizer, names, masters, LossScaler(config.loss_scale),
                             OutsideParams(optimizer))
-        self._events = _Events()
+        self._events, self._cadence = _Events(), Cadence(config.accumulation_steps)
         self._intake = self._step = None
         self._build(params, process_group=process_group)
         if ddp is not None:
-            from accumkernels.optim.sync.ddp_hook import register
             _sync_for_ddp(self, ddp.process_group)
-            register(ddp)
+            register_ddp_hook(ddp)
         setattr(optimizer, _OWNER_ATTR, weakref.ref(self))
 
     def _build(self, params: list[torch.Tensor], process_group=None) -> None:
@@ -189,10 +196,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def __getattr__(self, name):
         """The options (``opt.reduction``, ...), then the inner optimizer's public attributes
         (what frameworks duck-type; ``train()``/``eval()`` of schedule-free optimizers)."""
-        parts = self.__dict__.get("_parts")
-        return protocol.forward_attribute(self, self.__dict__.get("config"),
-                                          self.__dict__.get("optimizer"), name,
-                                          parts.masters if parts else None)
+        d = self.__dict__
+        return protocol.forward_attribute(self, d.get("config"), d.get("optimizer"), name,
+                                          d["_parts"].masters if d.get("_parts") else None)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer; its trainable params join the window.
@@ -229,15 +235,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step.end_window(False, self.sync_step,
-                              lambda: self._step.run(protocol.StepHooks(self, args, {})))
+        self._cadence.end_window(self._step, self.optimizer.param_groups, False, self.sync_step,
+                                 lambda: self._step.run(protocol.StepHooks(self, args, {})))
         return loss
 
     @torch.no_grad()
     def flush(self) -> None:
         """Take the step now, for a short last window (e.g. at the end of an epoch)."""
-        self._step.end_window(True, self.sync_step,
-                              lambda: self._step.run(protocol.StepHooks(self, (self,), {})))
+        self._cadence.end_window(self._step, self.optimizer.param_groups, True, self.sync_step,
+                                 lambda: self._step.run(protocol.StepHooks(self, (self,), {})))
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
@@ -283,15 +289,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     @property
     def collective_timeout(self) -> float | None:
         """Seconds to wait for peers' all-reduces (process_group) before raising."""
-        sync = self._parts.sync
-        return sync.timeout_s if sync.active else None
+        return self._parts.sync.timeout_s if self._parts.sync.active else None
 
     @collective_timeout.setter
     def collective_timeout(self, seconds: float) -> None:
-        sync = self._parts.sync
-        if not sync.active:
+        if not self._parts.sync.active:
             raise ValueError("collective_timeout needs process_group")
-        sync.timeout_s = finite_positive("collective_timeout", seconds)
+        self._parts.sync.timeout_s = finite_positive("collective_timeout", seconds)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * S``; the matching 1/S is fused into accumulation."""
