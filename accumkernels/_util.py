@@ -51,10 +51,16 @@ def warn_user(message: str, category: type[Warning] = AccumulationWarning) -> No
     warnings.warn(message, category, stacklevel=level)
 
 
+def closest(word: str, known) -> str | None:
+    """The one of ``known`` closest to a misspelt ``word`` (difflib's ratio), or None."""
+    close = difflib.get_close_matches(word, sorted(known), n=1)
+    return close[0] if close else None
+
+
 def did_you_mean(word: str, known) -> str:
     """`` (did you mean 'x'?)`` with the one of ``known`` closest to a misspelt ``word``, or ''."""
-    close = difflib.get_close_matches(word, sorted(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest(word, known)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def known_keywords(init):

@@ -36,7 +36,6 @@ This file holds what they share: the option check, the wrapping, the hook regist
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import weakref
 from collections.abc import Mapping
@@ -45,6 +44,7 @@ import torch
 
 from accumkernels._engines import refuse_foreign_engines
 from accumkernels._torch_private import ddp_comm_hooks
+from accumkernels._util import AccumulationWarning, closest
 from accumkernels.optim import AccumulatingOptimizer
 from accumkernels.optim.sync.ddp_hook import ddp_comm_hook
 
@@ -53,11 +53,10 @@ __all__ = ["AccumulationWarning", "check_ddp_hook", "check_options", "check_wrap
            "register_ddp_hook", "wrap_optimizer"]
 
 
-class AccumulationWarning(UserWarning):
-    """A setup an integration can see is probably not what was meant (e.g. an
-    ``AccumulatingTrainer`` whose windows hold one micro-batch). Each message names the fix and
-    the keyword that says the setup is meant; ``warnings.filterwarnings("ignore",
-    category=accumkernels.integrations.AccumulationWarning)`` silences them all."""
+# AccumulationWarning (accumkernels._util, one class for the wrapper and the integrations): a
+# setup an integration can see is probably not what was meant (e.g. an AccumulatingTrainer
+# whose windows hold one micro-batch); each message names the fix and the keyword that says the
+# setup is meant; warnings.filterwarnings("ignore", category=AccumulationWarning) silences them.
 
 
 # Set by the integration itself: the window ends at every step() the framework makes, and the
@@ -89,12 +88,11 @@ def _wrapper_options() -> set[str]:
 
 
 def _unknown(name: str) -> TypeError:
-    known = sorted(_keyword_options())
-    close = difflib.get_close_matches(name, known, n=1)
+    close = closest(name, _keyword_options())
     hint = ""
     if close:
-        hint = f" (did you mean {close[0]!r}?"
-        hint += f" It is set by the integration: {_RESERVED[close[0]]})" if close[0] in _RESERVED \
+        hint = f" (did you mean {close!r}?"
+        hint += f" It is set by the integration: {_RESERVED[close]})" if close in _RESERVED \
             else ")"
     return TypeError(f"accumkernels option {name!r} is not an AccumulatingOptimizer "
                      f"argument{hint}; expected one of {sorted(_wrapper_options())}")

@@ -14,7 +14,6 @@ the wrapper they know.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import keyword
 import sys
@@ -23,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from accumkernels._util import did_you_mean
 from accumkernels.optim import AccumulatingOptimizer
 
 __all__ = ["COLLISION_PREFIX", "MissingPackageError", "accumulating", "wrapper_options"]
@@ -176,9 +176,8 @@ def _make(inner_cls: type, name: str, module: str) -> type:
 
 
 def _unknown_message(cls_name: str, keyword: str, known: set[str]) -> str:
-    close = difflib.get_close_matches(keyword, sorted(known), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return (f"{cls_name}() got an unknown option {keyword!r}{hint}: it takes the inner "
+    return (f"{cls_name}() got an unknown option {keyword!r}{did_you_mean(keyword, known)}: "
+            f"it takes the inner "
             f"optimizer's arguments and the wrapper options "
             f"{sorted(k for k in known if k in _OPTION_TYPES or k.startswith(COLLISION_PREFIX))}")
 
