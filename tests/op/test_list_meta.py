@@ -1,4 +1,4 @@
-"""``native.lists_plain`` (csrc/list_meta.cpp): the fused master step's bulk test of its lists,
+"""``host.lists_plain`` (csrc/list_meta.cpp): the fused master step's bulk test of its lists,
 one C++ pass in place of the Python rules (master_step_checks._lists_ok, layouts, the plan).
 
 It may only ever accept: every list it accepts must satisfy the Python rules and be all plain
@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from accumkernels.ops import master_step_checks as checks
+from accumkernels.ops import host
 from accumkernels.ops.backends import native
 from accumkernels.ops.master_step import master_adam_step_, master_sgd_step_
 
 pytestmark = pytest.mark.skipif(not native.READER, reason=f"no tensor reader: {native.READER_NOTE}")
 
-F32, LOW, STEP = native.LIST_FP32, native.LIST_LOW, native.LIST_STEP
+F32, LOW, STEP = host.LIST_FP32, host.LIST_LOW, host.LIST_STEP
 
 
 def model(lists, kinds) -> bool:
@@ -87,7 +88,7 @@ def test_accepts_what_the_python_rules_accept_as_plain():
     rng = random.Random("plain")  # (seeded: a failure is reproducible)
     for n in (0, 1, 7, 40):
         lists, kinds = plain_case(rng, n)
-        assert native.lists_plain(lists, kinds) is True
+        assert host.lists_plain(lists, kinds) is True
         assert model(lists, kinds)
         if n:  # and what it accepts passes check_lists' own rules
             named = dict(zip(("masters", "weights", "grads", "state_steps"), lists))
@@ -108,24 +109,24 @@ def test_every_broken_entry_is_refused(how):
         lists[k] = list(lists[k])
         lists[k][i] = bad
         expected = model(lists, kinds)
-        assert native.lists_plain(lists, kinds) is expected, (how, k, i)
+        assert host.lists_plain(lists, kinds) is expected, (how, k, i)
         tried += 1
     assert tried, f"no case could be broken by {how}"
 
 
 def test_list_structure_is_refused():
     lists, kinds = plain_case(random.Random("structure"), 3)
-    assert not native.lists_plain([tuple(t) for t in lists], kinds)  # tuples: the Python path
-    assert not native.lists_plain(lists, kinds[:-1])
-    assert not native.lists_plain(lists[:2] + [lists[2][:2]] + lists[3:], kinds)
-    assert not native.lists_plain([], [])
-    assert not native.lists_plain(lists, [F32, LOW, F32, 7.5])
+    assert not host.lists_plain([tuple(t) for t in lists], kinds)  # tuples: the Python path
+    assert not host.lists_plain(lists, kinds[:-1])
+    assert not host.lists_plain(lists[:2] + [lists[2][:2]] + lists[3:], kinds)
+    assert not host.lists_plain([], [])
+    assert not host.lists_plain(lists, [F32, LOW, F32, 7.5])
 
 
 def test_reader_off_gives_no_verdict(monkeypatch):
     lists, kinds = plain_case(random.Random("reader-off"), 3)
     monkeypatch.setattr(native, "READER", False)
-    assert not native.lists_plain(lists, kinds)
+    assert not host.lists_plain(lists, kinds)
 
 
 def _adam_run(seed: int):
@@ -150,11 +151,11 @@ def test_master_step_same_bits_with_and_without_the_bulk_test(monkeypatch):
     """The op on plain lists: the C++ verdict skips the Python rules, the reader off runs them;
     every output bit agrees (and the plain lists do take the C++ verdict)."""
     seen = []
-    real = native.lists_plain
-    monkeypatch.setattr(native, "lists_plain", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = host.lists_plain
+    monkeypatch.setattr(host, "lists_plain", lambda *a: seen.append(real(*a)) or seen[-1])
     fast = _adam_run(5)
     assert seen and all(seen)
-    monkeypatch.setattr(native, "lists_plain", lambda *a: False)
+    monkeypatch.setattr(host, "lists_plain", lambda *a: False)
     slow = _adam_run(5)
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a.view(torch.int8) if a.dim() else a, b.view(torch.int8) if b.dim()
