@@ -48,14 +48,12 @@ more than one rank every view is hidden when a backward begins (:meth:`Intake._b
 
 from __future__ import annotations
 
-import weakref
 
 import torch
 
-from accumkernels._torch_private import queue_callback
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.ops.host import grads_are
-from accumkernels.optim.intake.backward import EndOfBackward, Running, remove_handles
+from accumkernels.optim.intake.backward import Running, remove_handles
 from accumkernels.optim.intake.guard import FORGOTTEN_LINE, Guard, pipeline_weight_pass
 from accumkernels.optim.intake.hooks import install_hooks
 from accumkernels.optim.intake.moves import HookState, Mover
@@ -154,9 +152,7 @@ class Intake:
                     self.guard.cleared_outside()  # shown
                 self.guard.shown = False  # from here on a None .grad is the wrapper's doing
             self.hidden.clear()
-            end = EndOfBackward(self)
-            self.run.end_ref = weakref.ref(end)
-            queue_callback(end)
+            self.run.queue_end(self)
             self.sync.backward_begins()
             ddp = self.sync.ddp_possible()
             # each post hook shows its param's view as it goes (end_backward then has nothing
@@ -194,9 +190,7 @@ class Intake:
 
         def outer_continues(*_):
             self.run.deferred = False
-            end = EndOfBackward(self)
-            self.run.end_ref = weakref.ref(end)
-            queue_callback(end)
+            self.run.queue_end(self)
 
         node.register_hook(outer_continues)
 
@@ -254,7 +248,7 @@ class Intake:
         if g is None:  # undefined gradient (a Function returned None, or a fused write)
             return
         if g.layout is not torch.strided:
-            self.guard.refuse_layout(i, g)
+            self.refuse_layout(i, g)
         if not self.move_in_backward:
             return
         if g.requires_grad:  # create_graph: .grad (window + this gradient) keeps its graph
@@ -279,6 +273,9 @@ class Intake:
     def end_backward(self) -> None:
         self.run.active, self.run.deferred, self.run.end_ref = False, False, None
         self.state.fast = None
+        if self.run.refused:  # the wrapper refused a gradient of it: no micro-batch
+            self.run.refused = self.run.got_grad = False
+            self.pending.clear()
         pending = dict(self.pending)
         self.pending.clear()
         self.flushed.clear()
@@ -324,6 +321,7 @@ class Intake:
         self.moves.launch_held(index, pend)
 
     def refuse_layout(self, i: int, g: torch.Tensor) -> None:
+        self.run.refused = True
         self.guard.refuse_layout(i, g)
 
     def take_in(self) -> None:

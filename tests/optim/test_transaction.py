@@ -1,0 +1,144 @@
+"""A backward is one transaction (DESIGN, correctness rules): however it ends (it completes, a
+hook raises half-way) and whichever hooks the user registered after wrapping, ``.grad``, the
+window, the next clear and the next step are what native PyTorch gives. Each test runs one loop
+twice, natively and through the wrapper (C hooks and Python hooks), and compares ``.grad`` where
+the loop looks at it and the params after each step: fp32, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _optim_common import SMALL_BUCKET, batches, make_model, mse
+
+from accumkernels import AccumulatingOptimizer
+from accumkernels.optim.intake import hooks as intake_hooks
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+@pytest.fixture(params=["c", "python"])
+def hooks(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(intake_hooks, "C_HOOKS", None)
+    return request.param
+
+
+class Twin:
+    """One loop, native (``wrap=False``) or through the wrapper; ``seen`` records ``.grad``."""
+
+    def __init__(self, wrap: bool, *, opt_kw=None, inner=torch.optim.SGD, lr=0.05,
+                 before_wrap=None):
+        torch.manual_seed(0)
+        self.wrap = wrap
+        self.model = make_model()
+        if before_wrap is not None:
+            before_wrap(self.model)
+        self.inner = inner(self.model.parameters(), lr=lr)
+        self.opt = AccumulatingOptimizer(self.inner, model=self.model, **(opt_kw or {})) \
+            if wrap else self.inner
+        self.seen: list = []
+        self.armed = False
+        # a tensor hook on the middle layer's output that raises while armed: the last layer
+        # has its gradients by then, the first two never get theirs
+        self.model[2].register_forward_hook(self._arm)
+
+    def _arm(self, module, inputs, out):
+        out.register_hook(self._bomb)
+
+    def _bomb(self, g):
+        if self.armed:
+            raise _Boom("a hook raised in the middle of the backward")
+        return g
+
+    @property
+    def params(self):
+        return list(self.model.parameters())
+
+    def backward(self, x, y, *, raises=False, scale=1.0):
+        self.armed = raises
+        try:
+            loss = mse(self.model, x, y) * scale
+            if raises:
+                with pytest.raises(_Boom):
+                    loss.backward()
+            else:
+                loss.backward()
+        finally:
+            self.armed = False
+
+    def look(self, what: str) -> None:
+        self.seen.append((what, [None if p.grad is None else p.grad.detach().float().clone()
+                                 for p in self.params]))
+
+    def step(self):
+        self.opt.step()
+        self.seen.append(("params", [p.detach().clone() for p in self.params]))
+
+
+def assert_same(ours: Twin, native: Twin) -> None:
+    assert [w for w, _ in ours.seen] == [w for w, _ in native.seen]
+    for (what, a_list), (_, b_list) in zip(ours.seen, native.seen):
+        for k, (a, b) in enumerate(zip(a_list, b_list)):
+            assert (a is None) == (b is None), f"{what}: param {k}: {a} vs native {b}"
+            if a is not None:
+                assert torch.equal(a, b), \
+                    f"{what}: param {k} off by {(a - b).abs().max().item():.3g}"
+
+
+def _twins(loop, **kw):
+    native, ours = Twin(False, **kw), Twin(True, **kw)
+    loop(native)
+    loop(ours)
+    assert_same(ours, native)
+
+
+# -- 1. a backward that raises half-way -------------------------------------------------------
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("n", [None, 2], ids=["N=None", "N=2"])
+@pytest.mark.parametrize("bucket", [SMALL_BUCKET, 25], ids=["buckets", "one-bucket"])
+def test_backward_raising_half_way_leaves_native_grad(hooks, n, bucket, clip):
+    """The second micro-batch's backward raises from a tensor hook: ``.grad`` then holds what
+    AccumulateGrad already added (the last layer's gradients), a user's clip sees that, the step
+    uses what the clip left, and the next window is normal."""
+    data = batches(6, 4)
+
+    def loop(t: Twin):
+        for w in range(2):
+            t.backward(*data[3 * w])
+            t.backward(*data[3 * w + 1], raises=True)
+            t.look(f"after the raise, window {w}")
+            if clip:
+                torch.nn.utils.clip_grad_norm_(t.params, 0.3)
+                t.look(f"after the clip, window {w}")
+            t.step()
+            t.opt.zero_grad()
+        t.backward(*data[5])
+        t.look("a backward after")
+        t.backward(*data[2])
+        t.step()
+
+    _twins(loop, opt_kw={"accumulation_steps": n, "bucket_size_mb": bucket})
+
+
+@pytest.mark.parametrize("n", [None, 4], ids=["N=None", "N=4"])
+def test_backward_after_a_raised_one_is_its_own_microbatch(hooks, n):
+    """A backward that raised is closed when it raises: the next backwards are micro-batches of
+    their own (counted, their gradients added once): ``reduction="mean"`` divides by 4."""
+    data = batches(4, 4)
+
+    def loop(t: Twin):
+        t.backward(*data[0], scale=1.0 if t.wrap else 0.25)
+        t.backward(*data[1], raises=True, scale=1.0 if t.wrap else 0.25)
+        if n is not None:
+            t.look("after the raise")  # (N=4 fuses 1/4: native's units; None divides at step)
+        for x, y in data[2:]:
+            t.backward(x, y, scale=1.0 if t.wrap else 0.25)
+            if n is not None:
+                t.look("after a later backward")
+        if t.wrap:
+            assert t.opt.micro_steps == 4
+        t.step()
+
+    _twins(loop, opt_kw={"accumulation_steps": n, "reduction": "mean"})
