@@ -142,3 +142,109 @@ def test_backward_after_a_raised_one_is_its_own_microbatch(hooks, n):
         t.step()
 
     _twins(loop, opt_kw={"accumulation_steps": n, "reduction": "mean"})
+
+
+# -- 5. what no other test holds ----------------------------------------------------------------
+@pytest.mark.parametrize("in_backward", [True, False], ids=["hooks", "accumulate"])
+@pytest.mark.parametrize("n", [None, 2], ids=["N=None", "N=2"])
+def test_outside_clear_between_backwards_counts_as_natively(hooks, in_backward, n):
+    """``model.zero_grad()`` between two backwards of a window, ``reduction="mean"``: with N
+    None the clear drops the window (natively the first gradients are gone: the step's mean is
+    over the one backward after it); with N given a window still filling is kept (as
+    ``opt.zero_grad()`` keeps it: natively the loop that clears every micro-batch divides by N
+    and never clears). Both intakes alike."""
+    data = batches(4, 4)
+    native_scale = 1.0 if n is None else 0.5
+
+    def loop(t: Twin):
+        for w in range(2):
+            if t.wrap or n is not None:  # (natively the clear drops it: not run)
+                t.backward(*data[2 * w], scale=1.0 if t.wrap else native_scale)
+            if t.wrap:
+                t.model.zero_grad()
+            t.backward(*data[2 * w + 1], scale=1.0 if t.wrap else native_scale)
+            if t.wrap:
+                assert t.opt.micro_steps == (1 if n is None else 2)
+            t.step()
+            t.look(f"after step {w}")
+            t.opt.zero_grad()
+
+    _twins(loop, opt_kw={"accumulation_steps": n, "reduction": "mean",
+                         "accumulate_in_backward": in_backward})
+
+
+def _halve(p, mode: str) -> None:
+    if mode == "assign":
+        p.grad = p.grad * 0.5
+    else:
+        p.grad.mul_(0.5)
+
+
+def halving(mode: str, when: str = "before"):
+    """A post-accumulate hook on every param halving ``.grad`` (assigned anew or in place),
+    registered before wrapping (``Twin(before_wrap=...)``) or after (called on the twin)."""
+    def install(model):
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: _halve(p, mode))
+    return install
+
+
+def _window_loop(t: Twin, data, n: int = 3) -> None:
+    """Windows of ``n`` backwards, ``.grad`` looked at after each, a step and a clear at the
+    end (the wrapper's step called after every backward: a no-op until the window is full)."""
+    for w in range(len(data) // n):
+        for k, (x, y) in enumerate(data[n * w:n * w + n]):
+            t.backward(x, y)
+            t.look(f"window {w}, after backward {k}")
+            if t.wrap and k < n - 1:
+                t.opt.step()
+        t.step()
+        t.opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", ["assign", "in_place"])
+def test_post_accumulate_hook_that_assigns_grad_is_honoured(hooks, mode):
+    """A post-accumulate hook (registered before wrapping) that assigns ``p.grad = p.grad * 0.5``
+    (a new tensor, not an in-place edit): the running sum, this micro-batch in it, halved."""
+    data = batches(6, 4)
+    native = Twin(False, before_wrap=halving(mode))
+    ours = Twin(True, before_wrap=halving(mode), opt_kw={"accumulation_steps": 3})
+    _window_loop(native, data)
+    _window_loop(ours, data)
+    assert_same(ours, native)
+
+
+@pytest.mark.parametrize("clear", ["opt", "model"])
+@pytest.mark.parametrize("n", [None, 4], ids=["N=None", "N=4"])
+@pytest.mark.parametrize("bucket", [SMALL_BUCKET, 25], ids=["buckets", "one-bucket"])
+def test_dropped_first_microbatch_after_a_clear_shows_no_earlier_window(hooks, bucket, n, clear):
+    """``nonfinite="skip_microbatch"``, params with a user's post-accumulate hook: the first
+    micro-batch after a clear is non-finite and dropped. ``.grad`` then is what it is natively
+    without that micro-batch (None: cleared), never an earlier window's contents or the dropped
+    gradient; the window goes on from it."""
+    data = batches(8, 4)
+    seen = []
+
+    def install(model):
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is None))
+
+    def loop(t: Twin):
+        for w in range(2):
+            for k, (x, y) in enumerate(data[4 * w:4 * w + 4]):
+                bad = k == 0 and w == 1
+                if bad and not t.wrap:
+                    t.look("after the dropped one")
+                    continue
+                t.backward(x, y, scale=float("nan") if bad else 1.0)
+                t.look("after the dropped one" if bad else "after a backward")
+            t.step()
+            (t.model if clear == "model" else t.opt).zero_grad()
+
+    native = Twin(False, before_wrap=install)
+    ours = Twin(True, before_wrap=install,
+                opt_kw={"nonfinite": "skip_microbatch", "bucket_size_mb": bucket,
+                        "accumulation_steps": n})
+    loop(native)
+    loop(ours)
+    assert_same(ours, native)

@@ -77,8 +77,9 @@ class FrontMoves:
         intake = self.intake
         held = intake.window.held(intake.params)
         for i, old in saved.items():
-            if old is None:
-                held[i] = False  # (its first write of the window: no data of it again)
+            if old is None:  # its first write of the window: no data of it again, and .grad
+                held[i] = False  # None as natively without it (not the view it overwrote)
+                intake.params[i].grad = None
             else:
                 intake.views[i].copy_(old)
         intake.window.keep_only(intake.params, held)
