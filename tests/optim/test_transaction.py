@@ -248,3 +248,52 @@ def test_dropped_first_microbatch_after_a_clear_shows_no_earlier_window(hooks, b
     loop(native)
     loop(ours)
     assert_same(ours, native)
+
+
+# -- 2. a user's tensor hook registered after wrapping raises -----------------------------------
+@pytest.mark.parametrize("n, clear", [(None, "model"), (None, "none"), (None, "opt"), (2, "keep")],
+                         ids=["model.zero_grad", "grad=None", "opt.zero_grad", "N=2-no-clear"])
+@pytest.mark.parametrize("which", [4, 0], ids=["last-layer", "first-layer"])
+def test_users_tensor_hook_after_wrapping_raises(hooks, which, n, clear):
+    """``p.register_hook`` added after wrapping raises in the second backward of a window:
+    ``.grad`` is native's (the running sum where AccumulateGrad did not run), a clear after it
+    means what it means natively (the next window does not add to the old one); with N=2 and
+    no clear the raised backward is the window's second micro-batch."""
+    data = batches(6, 4)
+
+    def loop(t: Twin):
+        armed = [False]
+
+        def bomb(g):
+            if armed[0]:
+                raise _Boom("the user's hook raised")
+            return g
+
+        t.params[which].register_hook(bomb)  # (after the wrapper's hooks)
+        for w in range(2):
+            t.backward(*data[3 * w])
+            t.look(f"window {w}: after a backward")
+            armed[0] = True
+            try:
+                with pytest.raises(_Boom):
+                    mse(t.model, *data[3 * w + 1]).backward()
+            finally:
+                armed[0] = False
+            t.look(f"window {w}: after the raise")
+            if clear == "model":
+                t.model.zero_grad()
+            elif clear == "none":
+                for p in t.params:
+                    p.grad = None
+            elif clear == "opt":
+                t.opt.zero_grad()
+            else:
+                t.step()
+                t.opt.zero_grad()
+            t.look(f"window {w}: after the clear")
+            t.backward(*data[3 * w + 2])
+            t.look(f"window {w}: after the clear and a backward")
+            t.step()
+            t.opt.zero_grad()
+
+    _twins(loop, opt_kw={"accumulation_steps": n})
