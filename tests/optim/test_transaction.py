@@ -297,3 +297,60 @@ def test_users_tensor_hook_after_wrapping_raises(hooks, which, n, clear):
             t.opt.zero_grad()
 
     _twins(loop, opt_kw={"accumulation_steps": n})
+
+
+# -- 3. a post-accumulate hook registered after wrapping ----------------------------------------
+def _recording(seen: list):
+    def install(model):
+        for k, p in enumerate(model.parameters()):
+            p.register_post_accumulate_grad_hook(
+                lambda p, k=k: seen.append((k, p.grad.detach().float().clone())))
+    return install
+
+
+@pytest.mark.parametrize("mode", ["read", "in_place", "assign"])
+@pytest.mark.parametrize("bucket", [SMALL_BUCKET, 25], ids=["buckets", "one-bucket"])
+def test_post_accumulate_hook_registered_after_wrapping_sees_native_grad(hooks, mode, bucket):
+    """``register_post_accumulate_grad_hook`` after the wrapper was built: the hook sees native's
+    ``p.grad`` (the running sum with this micro-batch in it, also on the first backward) and
+    what it writes (in place, or a new ``.grad``) is what the window holds and the step uses."""
+    data = batches(6, 4)
+    twins = []
+    for wrap in (False, True):
+        t = Twin(wrap, opt_kw={"accumulation_steps": 3, "bucket_size_mb": bucket})
+        seen: list = []
+        _recording(seen)(t.model)
+        if mode != "read":
+            halving(mode)(t.model)
+        _window_loop(t, data)
+        twins.append((t, seen))
+    (native, seen_native), (ours, seen_ours) = twins
+    assert [k for k, _ in seen_ours] == [k for k, _ in seen_native]
+    for (k, a), (_, b) in zip(seen_ours, seen_native):
+        assert torch.equal(a, b), f"param {k}: the hook saw {a} where native shows {b}"
+    assert_same(ours, native)
+
+
+def test_post_accumulate_hook_registered_mid_window_and_removed(hooks):
+    """Registered after the first backward of a window, removed after the window: it sees
+    native's ``.grad`` while it is there; the rest of the training is native."""
+    data = batches(9, 4)
+
+    def loop(t: Twin):
+        handles = []
+        for w in range(3):
+            for k, (x, y) in enumerate(data[3 * w:3 * w + 3]):
+                if w == 0 and k == 1:
+                    handles = [p.register_post_accumulate_grad_hook(lambda p: _halve(p, "in_place"))
+                               for p in t.params[::2]]
+                t.backward(x, y)
+                t.look(f"window {w}, after backward {k}")
+                if t.wrap and k < 2:
+                    t.opt.step()
+            t.step()
+            t.opt.zero_grad()
+            if w == 1:
+                for h in handles:
+                    h.remove()
+
+    _twins(loop, opt_kw={"accumulation_steps": 3})

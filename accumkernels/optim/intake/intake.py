@@ -27,8 +27,12 @@ A backward counts as a micro-batch only if some AccumulateGrad (or fused weight-
 write) ran in it: ``torch.autograd.grad`` fires the pre-hooks but never the post hooks, so it
 leaves the window alone. A backward nested in another one (reentrant checkpointing) is part of
 the outer one: its final callback defers to the node that is running it. A backward that raised
-leaves its final callback uncalled; the next event notices and closes that micro-batch with
-the gradients it produced ("fully in", as native PyTorch keeps them in ``.grad``).
+drops its final callback unrun; the weakref's callback (``Running.queue_end``) then closes that
+micro-batch at once with the gradients it produced, as native PyTorch keeps them in ``.grad``,
+so the user's next line (a clip, a clear) sees native's ``.grad`` (the next event still settles
+one that was not closed). A backward in which the wrapper refused a gradient is no micro-batch.
+A param with post-accumulate hooks of the user's, registered before the wrapper or after it,
+gets its gradient moved alone ahead of them (``hooks.HookOrder``, ``user_hooks.FrontMoves``).
 
 With ``accumulate_in_backward=False`` the views are hidden the same way, but the new gradients
 stay in ``.grad`` (in the param dtype, summed by autograd over backwards) until
@@ -48,14 +52,13 @@ more than one rank every view is hidden when a backward begins (:meth:`Intake._b
 
 from __future__ import annotations
 
-
 import torch
 
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.ops.host import grads_are
 from accumkernels.optim.intake.backward import Running, remove_handles
 from accumkernels.optim.intake.guard import FORGOTTEN_LINE, Guard, pipeline_weight_pass
-from accumkernels.optim.intake.hooks import install_hooks
+from accumkernels.optim.intake.hooks import HookOrder
 from accumkernels.optim.intake.moves import HookState, Mover
 from accumkernels.optim.intake.showing import Display, showable_views
 from accumkernels.optim.intake.unmoved import Unmoved
@@ -75,9 +78,7 @@ class Intake:
         self.config, self.window = parts.config, parts.window
         self.nonfinite, self.scaler, self.masters = parts.nonfinite, parts.scaler, parts.masters
         self.outside_room, self.names, self._parts = parts.outside, parts.names, parts
-        self.events = events
-        self.params = params
-        self.buffer = buffer
+        self.events, self.params, self.buffer = events, params, buffer
         self.views = [buffer.view(p) for p in params]
         # what the per-param hooks share with the intake (the C hooks hold these objects)
         self.state = HookState(self.views, showable_views(params, self.views))
@@ -94,7 +95,8 @@ class Intake:
         self.forgotten_line = False  # a pipeline weight pass ran outside weight_pass()
         self.front = FrontMoves(self, self.moves)  # params with the user's post-accumulate hooks
         self.guard = Guard(self)
-        self.handles: list = install_hooks(self, params, outside)
+        self.order = HookOrder(self, params, outside)  # (read again by guard.check_backward)
+        self.handles: list = self.order.handles
 
     def remove(self) -> None:
         """Detach from the params (idempotent)."""
