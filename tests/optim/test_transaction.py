@@ -95,10 +95,11 @@ def _twins(loop, **kw):
 
 
 # -- 1. a backward that raises half-way -------------------------------------------------------
+@pytest.mark.parametrize("in_backward", [True, False], ids=["hooks", "accumulate"])
 @pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("n", [None, 2], ids=["N=None", "N=2"])
 @pytest.mark.parametrize("bucket", [SMALL_BUCKET, 25], ids=["buckets", "one-bucket"])
-def test_backward_raising_half_way_leaves_native_grad(hooks, n, bucket, clip):
+def test_backward_raising_half_way_leaves_native_grad(hooks, n, bucket, clip, in_backward):
     """The second micro-batch's backward raises from a tensor hook: ``.grad`` then holds what
     AccumulateGrad already added (the last layer's gradients), a user's clip sees that, the step
     uses what the clip left, and the next window is normal."""
@@ -119,7 +120,8 @@ def test_backward_raising_half_way_leaves_native_grad(hooks, n, bucket, clip):
         t.backward(*data[2])
         t.step()
 
-    _twins(loop, opt_kw={"accumulation_steps": n, "bucket_size_mb": bucket})
+    _twins(loop, opt_kw={"accumulation_steps": n, "bucket_size_mb": bucket,
+                         "accumulate_in_backward": in_backward})
 
 
 @pytest.mark.parametrize("n", [None, 4], ids=["N=None", "N=4"])
@@ -354,3 +356,34 @@ def test_post_accumulate_hook_registered_mid_window_and_removed(hooks):
                     h.remove()
 
     _twins(loop, opt_kw={"accumulation_steps": 3})
+
+
+@pytest.mark.parametrize("n", [None, 2], ids=["N=None", "N=2"])
+def test_post_accumulate_hook_registered_after_wrapping_raises(hooks, n):
+    """A post-accumulate hook registered after wrapping raises in the second backward: the
+    param's ``.grad`` holds this micro-batch (AccumulateGrad ran before the hook), the rest as
+    far as the backward got; a clip and the step see that."""
+    data = batches(4, 4)
+
+    def loop(t: Twin):
+        armed = [False]
+
+        def bomb(p):
+            if armed[0]:
+                raise _Boom("the user's post-accumulate hook raised")
+
+        t.params[4].register_post_accumulate_grad_hook(bomb)
+        for w in range(2):
+            t.backward(*data[2 * w])
+            armed[0] = True
+            try:
+                with pytest.raises(_Boom):
+                    mse(t.model, *data[2 * w + 1]).backward()
+            finally:
+                armed[0] = False
+            t.look(f"window {w}: after the raise")
+            torch.nn.utils.clip_grad_norm_(t.params, 0.3)
+            t.step()
+            t.opt.zero_grad()
+
+    _twins(loop, opt_kw={"accumulation_steps": n, "bucket_size_mb": SMALL_BUCKET})
