@@ -71,6 +71,22 @@ def run_post_accumulate_hook_first(p: torch.Tensor, handle) -> None:
             hooks[key] = hook
 
 
+def post_accumulate_hook_ends(p: torch.Tensor) -> tuple[int, object, object]:
+    """How many post-accumulate-grad hooks ``p`` has, and the handle ids of the one the engine
+    runs first and the one it runs last (``None, None`` without hooks)."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    if not hooks:
+        return 0, None, None
+    return len(hooks), next(iter(hooks)), next(reversed(hooks))
+
+
+def hook_registrations() -> int:
+    """A number that changes whenever a hook is registered anywhere (tensor, module or
+    post-accumulate hooks: each registration takes the next ``RemovableHandle`` id): the
+    intake re-reads its params' hook order only when it moved."""
+    return torch.utils.hooks.RemovableHandle.next_id
+
+
 # -- torch.distributed.pipelining -------------------------------------------------------------------
 def pipelining_imported() -> bool:
     """Whether ``torch.distributed.pipelining`` was imported: no schedule of it can run before

@@ -38,8 +38,9 @@ class Window:
       them, and a clear (``zero_grad``, ``model.zero_grad()``, ``p.grad = None``) drops them.
       Until something new arrives the window counts as empty (a ``step()`` then does nothing).
       ``carry_scale``: the factor the storage still owes the step's gradients (a fused master
-      step that divided by its ``grad_scale`` without writing back), applied before the first
-      write of the next window (:meth:`first_write`).
+      step that divided by its ``grad_scale`` without writing back; for ``"mean"`` the units
+      of the new window, so its normalisation leaves them as the step used them), applied
+      before the first write of the next window (:meth:`first_write`).
 
     ``storage`` is a MasterGradBuffer (flat fp32 buffers, one per device) or the FSDP2 room's
     sharded window: anything with ``buffers`` (device -> flat fp32 tensor) and ``view(p)``.
@@ -78,7 +79,19 @@ class Window:
         self.reset()
         self._touched = touched
         self.carried_only = bool(touched)
+        owed = self._carried_units() if touched else 1.0
+        if owed != 1.0:
+            scale = owed if scale is None else scale * owed
         self.carry_scale = scale if touched else None
+
+    def _carried_units(self) -> float:
+        """What the carried gradients are multiplied by to sit in the new window's units: the
+        step that ends it divides the whole storage by its target over the divisor, and the
+        carried part must come out of that unchanged (``"mean"`` with N given: N / divisor,
+        1 where 1/N is fused; the other targets are not known before that step)."""
+        if self._mean and self._n:
+            return float(self._n) / self.divisor
+        return 1.0
 
     def settle_carry(self) -> None:
         """Apply the carried gradients' pending scale (before anything writes the storage)."""

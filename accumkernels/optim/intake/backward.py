@@ -23,6 +23,7 @@ class Running:
     end_ref: object = None  # weakref to its final callback (dropped when the backward raised)
     show_now: bool = False  # its post hooks show each view as they go
     shown_at_begin: bool = False  # when it began, every param showed what expose() shows
+    refused: bool = False  # the wrapper refused a gradient of it (it raised): no micro-batch
 
     def starting(self) -> bool:
         """Whether a hook now begins a backward: none runs, or the last one raised."""
@@ -31,6 +32,22 @@ class Running:
     def raised(self) -> bool:
         """Whether the running backward raised (its final callback was dropped unrun)."""
         return self.active and not self.deferred and self.end_ref() is None
+
+    def queue_end(self, intake) -> None:
+        """Queue the running backward's final callback (:class:`EndOfBackward`) for ``intake``.
+        A backward that raises drops it unrun; the weakref's callback then closes the backward
+        at once (``intake.settle()``), so ``.grad`` holds what its AccumulateGrads added, as
+        natively, before the user's next line runs (a clip, a clear) and not at the next event."""
+        end = EndOfBackward(intake)
+        me = weakref.ref(intake)
+
+        def dropped(ref):
+            owner = me()
+            if owner is not None and owner.run.end_ref is ref:  # (not a later backward's)
+                owner.settle()
+
+        self.end_ref = weakref.ref(end, dropped)
+        queue_callback(end)
 
 
 class EndOfBackward:

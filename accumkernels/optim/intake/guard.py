@@ -68,12 +68,15 @@ class Guard:
 
     # -- once per backward (hot path) ----------------------------------------------------------
     def check_backward(self) -> None:
-        """At a backward's begin, before anything of it lands: every param's dtype, device and
-        layout unchanged and every view aliasing the buffer (else follow, relayout or raise, as
-        :meth:`check_all`; outside clears are looked for by the intake). The facts are read
-        again each time: one pass of the tensor reader compares them with the record of the
-        last time they were found right (``ops.host.metas_same``); anything it cannot
-        read, or any difference, takes the Python checks, which then record the new facts."""
+        """At a backward's begin, before anything of it lands: the intake's hooks in order among
+        post-accumulate hooks the user registered since (``HookOrder.look``); every param's
+        dtype, device and layout unchanged and every view aliasing the buffer (else follow,
+        relayout or raise, as :meth:`check_all`; outside clears are looked for by the intake).
+        The facts are read again each time: one pass of the tensor reader compares them with
+        the record of the last time they were found right (``ops.host.metas_same``); anything
+        it cannot read, or any difference, takes the Python checks, which then record the new
+        facts."""
+        self.intake.order.look()  # (a post-accumulate hook the user registered since)
         watched = self._watched
         if metas_same(watched, self._record):
             return

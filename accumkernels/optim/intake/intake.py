@@ -27,8 +27,12 @@ A backward counts as a micro-batch only if some AccumulateGrad (or fused weight-
 write) ran in it: ``torch.autograd.grad`` fires the pre-hooks but never the post hooks, so it
 leaves the window alone. A backward nested in another one (reentrant checkpointing) is part of
 the outer one: its final callback defers to the node that is running it. A backward that raised
-leaves its final callback uncalled; the next event notices and closes that micro-batch with
-the gradients it produced ("fully in", as native PyTorch keeps them in ``.grad``).
+drops its final callback unrun; the weakref's callback (``Running.queue_end``) then closes that
+micro-batch at once with the gradients it produced, as native PyTorch keeps them in ``.grad``,
+so the user's next line (a clip, a clear) sees native's ``.grad`` (the next event still settles
+one that was not closed). A backward in which the wrapper refused a gradient is no micro-batch.
+A param with post-accumulate hooks of the user's, registered before the wrapper or after it,
+gets its gradient moved alone ahead of them (``hooks.HookOrder``, ``user_hooks.FrontMoves``).
 
 With ``accumulate_in_backward=False`` the views are hidden the same way, but the new gradients
 stay in ``.grad`` (in the param dtype, summed by autograd over backwards) until
@@ -48,16 +52,13 @@ more than one rank every view is hidden when a backward begins (:meth:`Intake._b
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from accumkernels._torch_private import queue_callback
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.ops.host import grads_are
-from accumkernels.optim.intake.backward import EndOfBackward, Running, remove_handles
+from accumkernels.optim.intake.backward import Running, remove_handles
 from accumkernels.optim.intake.guard import FORGOTTEN_LINE, Guard, pipeline_weight_pass
-from accumkernels.optim.intake.hooks import install_hooks
+from accumkernels.optim.intake.hooks import HookOrder
 from accumkernels.optim.intake.moves import HookState, Mover
 from accumkernels.optim.intake.showing import Display, showable_views
 from accumkernels.optim.intake.unmoved import Unmoved
@@ -77,9 +78,7 @@ class Intake:
         self.config, self.window = parts.config, parts.window
         self.nonfinite, self.scaler, self.masters = parts.nonfinite, parts.scaler, parts.masters
         self.outside_room, self.names, self._parts = parts.outside, parts.names, parts
-        self.events = events
-        self.params = params
-        self.buffer = buffer
+        self.events, self.params, self.buffer = events, params, buffer
         self.views = [buffer.view(p) for p in params]
         # what the per-param hooks share with the intake (the C hooks hold these objects)
         self.state = HookState(self.views, showable_views(params, self.views))
@@ -96,7 +95,8 @@ class Intake:
         self.forgotten_line = False  # a pipeline weight pass ran outside weight_pass()
         self.front = FrontMoves(self, self.moves)  # params with the user's post-accumulate hooks
         self.guard = Guard(self)
-        self.handles: list = install_hooks(self, params, outside)
+        self.order = HookOrder(self, params, outside)  # (read again by guard.check_backward)
+        self.handles: list = self.order.handles
 
     def remove(self) -> None:
         """Detach from the params (idempotent)."""
@@ -154,9 +154,7 @@ class Intake:
                     self.guard.cleared_outside()  # shown
                 self.guard.shown = False  # from here on a None .grad is the wrapper's doing
             self.hidden.clear()
-            end = EndOfBackward(self)
-            self.run.end_ref = weakref.ref(end)
-            queue_callback(end)
+            self.run.queue_end(self)
             self.sync.backward_begins()
             ddp = self.sync.ddp_possible()
             # each post hook shows its param's view as it goes (end_backward then has nothing
@@ -194,9 +192,7 @@ class Intake:
 
         def outer_continues(*_):
             self.run.deferred = False
-            end = EndOfBackward(self)
-            self.run.end_ref = weakref.ref(end)
-            queue_callback(end)
+            self.run.queue_end(self)
 
         node.register_hook(outer_continues)
 
@@ -254,7 +250,7 @@ class Intake:
         if g is None:  # undefined gradient (a Function returned None, or a fused write)
             return
         if g.layout is not torch.strided:
-            self.guard.refuse_layout(i, g)
+            self.refuse_layout(i, g)
         if not self.move_in_backward:
             return
         if g.requires_grad:  # create_graph: .grad (window + this gradient) keeps its graph
@@ -279,6 +275,9 @@ class Intake:
     def end_backward(self) -> None:
         self.run.active, self.run.deferred, self.run.end_ref = False, False, None
         self.state.fast = None
+        if self.run.refused:  # the wrapper refused a gradient of it: no micro-batch
+            self.run.refused = self.run.got_grad = False
+            self.pending.clear()
         pending = dict(self.pending)
         self.pending.clear()
         self.flushed.clear()
@@ -324,6 +323,7 @@ class Intake:
         self.moves.launch_held(index, pend)
 
     def refuse_layout(self, i: int, g: torch.Tensor) -> None:
+        self.run.refused = True
         self.guard.refuse_layout(i, g)
 
     def take_in(self) -> None:

@@ -1,5 +1,6 @@
-"""Params with post-accumulate-grad hooks of the user's (registered before wrapping): natively
-such a hook sees the running sum in ``.grad``, so the intake (accumkernels.optim.intake.intake) moves
+"""Params with post-accumulate-grad hooks of the user's (registered before wrapping or after:
+hooks.HookOrder keeps the front hook first and the intake's post hook last): natively such a hook
+sees the running sum in ``.grad``, so the intake (accumkernels.optim.intake.intake) moves
 that param's gradient alone, before the user's hooks run (the wrapper's front hook runs first),
 and shows them the window; what they write in place is what the step uses. A part of the
 intake: it launches through the intake's Mover (moves.py) and asks the intake where the
@@ -77,8 +78,9 @@ class FrontMoves:
         intake = self.intake
         held = intake.window.held(intake.params)
         for i, old in saved.items():
-            if old is None:
-                held[i] = False  # (its first write of the window: no data of it again)
+            if old is None:  # its first write of the window: no data of it again, and .grad
+                held[i] = False  # None as natively without it (not the view it overwrote)
+                intake.params[i].grad = None
             else:
                 intake.views[i].copy_(old)
         intake.window.keep_only(intake.params, held)
