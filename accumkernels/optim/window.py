@@ -295,35 +295,36 @@ class Window:
             "boundary_only": self.boundary_only,
         }
 
-    @staticmethod
-    def parse(state: object, params: list) -> dict:
-        """Check a saved window (raises ValueError) and return it in loadable form."""
-        if not isinstance(state, dict):
-            raise ValueError("load_state_dict: 'window' must be a dict")
-        # (empty lists of weights and dropped micro-batches vanish in some tools' flattening)
-        state = {"weights": [], "dropped": [], **state}
-        missing = [k for k in _KEYS if k not in state]
-        if missing:
-            raise ValueError(f"load_state_dict: the saved window lacks {missing}")
-        try:
-            touched = [int(i) for i in state["touched"]]
-            parsed = {
-                "micro_steps": int(state["micro_steps"]), "kept": int(state["kept"]),
-                "weights": [float(w) for w in state["weights"]],
-                "dropped": {int(i) for i in state["dropped"]},
-                "divisor": float(state["divisor"]),
-                "boundary_only": None if state["boundary_only"] is None
-                else bool(state["boundary_only"]),
-            }
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"load_state_dict: malformed window ({exc})") from None
-        if any(not 0 <= i < len(params) for i in touched):
-            raise ValueError("load_state_dict: the saved window names params this optimizer lacks")
-        if not 0 <= parsed["kept"] <= parsed["micro_steps"] or not parsed["divisor"] > 0:
-            raise ValueError("load_state_dict: inconsistent window counts")
-        parsed["_touched"] = {id(params[i]) for i in touched}
-        return parsed
-
     def load(self, parsed: dict) -> None:
         for key, value in parsed.items():
             setattr(self, key, value)
+
+
+def parse_window(state: object, params: list) -> dict:
+    """Check a saved window (raises ValueError) and return it in the form ``Window.load``
+    takes."""
+    if not isinstance(state, dict):
+        raise ValueError("load_state_dict: 'window' must be a dict")
+    # (empty lists of weights and dropped micro-batches vanish in some tools' flattening)
+    state = {"weights": [], "dropped": [], **state}
+    missing = [k for k in _KEYS if k not in state]
+    if missing:
+        raise ValueError(f"load_state_dict: the saved window lacks {missing}")
+    try:
+        touched = [int(i) for i in state["touched"]]
+        parsed = {
+            "micro_steps": int(state["micro_steps"]), "kept": int(state["kept"]),
+            "weights": [float(w) for w in state["weights"]],
+            "dropped": {int(i) for i in state["dropped"]},
+            "divisor": float(state["divisor"]),
+            "boundary_only": None if state["boundary_only"] is None
+            else bool(state["boundary_only"]),
+        }
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"load_state_dict: malformed window ({exc})") from None
+    if any(not 0 <= i < len(params) for i in touched):
+        raise ValueError("load_state_dict: the saved window names params this optimizer lacks")
+    if not 0 <= parsed["kept"] <= parsed["micro_steps"] or not parsed["divisor"] > 0:
+        raise ValueError("load_state_dict: inconsistent window counts")
+    parsed["_touched"] = {id(params[i]) for i in touched}
+    return parsed

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from accumkernels.optim.checkpoint.live_state import LIVE, MASTER_KEY, OWN_KEY, WINDOW_KEY
-from accumkernels.optim.window import Window
+from accumkernels.optim.window import parse_window
 
 VERSION = 4  # OWN_KEY: per group (format 4); the top-level key of format 3
 
@@ -214,7 +214,7 @@ def parse(parts, sd: object) -> dict:
         "buffers": None if window is None or views is not None
         else _parse_buffers(parts, old["main_grad"]),
         "views": None if views is None else _parse_views(parts, views),
-        "window": None if window is None else Window.parse(window, parts.params),
+        "window": None if window is None else parse_window(window, parts.params),
         "summed": list(window.get("summed", [])) if isinstance(window, dict) else [],
         "nonfinite": parts.nonfinite.parse(old),
         "scaler": parts.scaler.parse(old["loss_scale"]),
