@@ -4,6 +4,7 @@
 #              train
 # make compat TORCH=2.11.0 : the whole suite on another torch, in a venv of its own
 # make dist  : the sdist and the manylinux wheel in dist/ (make test also installs and checks both)
+# make docs  : the manual (docs/, mkdocs.yml) built into site/; a warning fails it
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 SOURCES := setup.py CMakeLists.txt pyproject.toml $(wildcard csrc/*)
 
-.PHONY: test suite bench install clean compat compat-short
+.PHONY: test suite bench install clean compat compat-short docs
 
 # --system-site-packages: reuse a torch/triton already installed system-wide (GPU machines).
 $(PY):
@@ -74,8 +75,21 @@ bench: $(VENV)/.installed $(VENV)/.bench-deps
 	$(PY) -m benchmarks.accumbench host $(HOST_ARGS)
 	$(PY) -m benchmarks.accumbench train $(TRAIN_ARGS)
 
+# The [docs] extra of pyproject.toml (mkdocs, mkdocs-material, mkdocstrings), into the venv like
+# the other extras. The build needs neither torch nor the compiled extension: mkdocstrings reads
+# the docstrings from the source.
+$(VENV)/.docs-deps: pyproject.toml | $(PY)
+	$(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))\
+		['project']['optional-dependencies']['docs'])" | xargs $(PIP) install
+	touch $@
+
+# --strict: a broken link or anchor, a page outside the nav or a docstring mkdocstrings cannot
+# read fails the build. NO_MKDOCS_2_WARNING silences mkdocs-material's banner, not a warning.
+docs: $(VENV)/.docs-deps
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf build *.egg-info accumkernels/_C*.so .pytest_cache
+	rm -rf build *.egg-info accumkernels/_C*.so .pytest_cache site
 
 # -- other torch versions --------------------------------------------------------------------------
 # One venv per torch release under COMPAT_DIR, outside the checkout so that a fresh clone (CI)
