@@ -2,24 +2,25 @@
 
 The rooms (each owns its state and its piece of the checkpoint; none holds the face):
 
-* ``config``: every argument, checked once;
+* ``config`` (config.py): every argument, checked once; ``cadence`` (cadence.py): the caller's
+  cadence as the face sees it (the warnings for a scheduler stepped on no-op steps, windows of
+  one micro-batch);
 * ``window`` (window.py): counts, weights, which params hold data, the divisor, the cadence;
-* ``intake`` (intake.py, guard.py): hooks, fused launches, what ``p.grad`` shows; it reports
-  upward through one seam (:class:`_Events`: a micro-batch ended, the window was dropped from
-  outside, the params moved);
-* ``step`` (step.py): gather -> decide -> apply -> finish; with fp32 masters and a fused
-  torch AdamW/Adam/SGD, ``apply`` runs the fused master step (fused_master.py) in the inner
-  optimizer's place;
-* ``sync`` (sync.py, sync_ddp.py; FSDP2: fsdp2.py): local, ``process_group``, DDP or the
-  FSDP2 mesh; pipeline stages share a norm round (``StageNorm``, joined through
-  ``join_stage_norm``);
+* ``intake`` (intake/): hooks, fused launches (moves.py), what ``p.grad`` shows (showing.py);
+  it reports upward through one seam (:class:`_Events`: a micro-batch ended, the window was
+  dropped from outside, the params moved);
+* ``step`` (step/): gather -> decide -> apply -> finish; with fp32 masters and a fused torch
+  AdamW/Adam/SGD whose groups hold only what it implements, ``apply`` runs the fused master
+  step (step/fused_master.py) in the inner optimizer's place;
+* ``sync`` (sync/; FSDP2: fsdp2/layout.py): local, ``process_group``, DDP or the FSDP2 mesh,
+  one protocol (sync/protocol.py); pipeline stages share a norm round (``StageNorm``, joined
+  through ``join_stage_norm``);
 * ``masters`` (masters.py), ``nonfinite`` (nonfinite.py), ``scaler`` (scaling.py), ``outside``
   (outside.py): fp32 master weights, the non-finite policy, loss scaling, params outside the
   window;
-* the layout (parts.py; fsdp2.py): flat buffer or FSDP2 shards, picked by a factory;
-* ``cadence`` (cadence.py): what the ``step()``/``flush()`` calls did, and the warnings on it;
-* ``checkpoint`` (checkpoint.py, fsdp2_checkpoint.py): assembles the rooms' pieces;
-  live_state.py: what ``opt.state``/``opt.param_groups`` show (the keys a checkpoint holds).
+* the layout (parts.py's ``Layout``; fsdp2/): flat buffer or FSDP2 shards, picked by a factory;
+* ``checkpoint`` (checkpoint/, fsdp2/checkpoint.py): assembles the rooms' pieces;
+  checkpoint/live_state.py: what ``opt.state``/``opt.param_groups`` show.
 """
 
 from __future__ import annotations
@@ -355,7 +356,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def window_template(self):
         """Context manager: ``state_dict()`` inside (and so DCP's ``get_state_dict``) holds each
         param's window also at a window boundary (zeros), the template that a checkpoint taken
-        in the middle of a window loads into with ``dcp.load`` (README: checkpoints)."""
+        in the middle of a window loads into with ``dcp.load`` (docs/checkpoints.md)."""
         return self._layout.checkpoint.showing_window(self._parts)
 
     @torch.no_grad()
