@@ -201,6 +201,7 @@ def _plot_sweep(ax, rows, dtype, providers, colors, by_key, limits, limit_label)
     if lim:
         ax.plot(*zip(*lim), color="black", linestyle="--", marker="s", label=limit_label)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # cache-resident and DRAM-bound sizes run an order of magnitude apart
     ax.set_xticks(sizes, [format_count(n) for n in sizes])
     ax.set_xlabel("elements (one flat buffer)")
 
