@@ -250,6 +250,25 @@ def test_slugify_and_out_path():
     assert path.parent.parts[-2:] == ("benchmarks", "results")
 
 
+def test_dirty_ignores_the_suite_files(tmp_path):
+    """A suite file that took a row from the previous suite of make bench leaves the tree clean."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "step.jsonl").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    root = tmp_path.resolve()
+    with (tmp_path / "benchmarks" / "results" / "step.jsonl").open("a") as f:
+        f.write("{}\n")
+    commit, dirty = env.git_info(root)
+    assert len(commit) == 40 and dirty is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert env.git_info(root)[1] is True
+
+
 def test_json_safe():
     assert report.json_safe({"a": [1.0, float("nan")], "b": float("inf"), "c": "x"}) == {
         "a": [1.0, None], "b": None, "c": "x"}
