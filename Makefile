@@ -1,7 +1,7 @@
 # make test  : create .venv, install torch (if none is importable), build, run the whole suite,
 #              then the short compatibility pass on each of COMPAT_TORCH (see compat below)
 # make bench : same setup, then the benchmarks (GPU if there is one, else CPU): kernels, step, host,
-#              train
+#              train, wrapper, each appending to benchmarks/results/<suite>.jsonl; then a summary
 # make compat TORCH=2.11.0 : the whole suite on another torch, in a venv of its own
 # make dist  : the sdist and the manylinux wheel in dist/ (make test also installs and checks both)
 # make docs  : the manual (docs/, mkdocs.yml) built into site/; a warning fails it
@@ -68,12 +68,16 @@ $(VENV)/.bench-deps: $(VENV)/.torch pyproject.toml
 		['project']['optional-dependencies']['bench'])" | xargs $(PIP) install
 	touch $@
 
-# The kernels, the optimizer step against the inner optimizer's, the end-to-end training table.
+# The kernels, the optimizer step against the inner optimizer's, the host time, the end-to-end
+# training table, the window's memory; each appends a tagged row to benchmarks/results/<suite>.jsonl
+# (BENCH_NOTE: the conditions, kept in the rows' tags), then the summary of this machine's rows.
 bench: $(VENV)/.installed $(VENV)/.bench-deps
-	$(PY) -m benchmarks.accumbench $(BENCH_ARGS)
-	$(PY) -m benchmarks.accumbench step $(STEP_ARGS)
-	$(PY) -m benchmarks.accumbench host $(HOST_ARGS)
-	$(PY) -m benchmarks.accumbench train $(TRAIN_ARGS)
+	$(PY) -m benchmarks.accumbench --note "$(BENCH_NOTE)" $(BENCH_ARGS)
+	$(PY) -m benchmarks.accumbench step --note "$(BENCH_NOTE)" $(STEP_ARGS)
+	$(PY) -m benchmarks.accumbench host --note "$(BENCH_NOTE)" $(HOST_ARGS)
+	$(PY) -m benchmarks.accumbench train --note "$(BENCH_NOTE)" $(TRAIN_ARGS)
+	$(PY) -m benchmarks.accumbench wrapper --note "$(BENCH_NOTE)" $(WRAPPER_ARGS)
+	$(PY) -m benchmarks.accumbench summary
 
 # The [docs] extra of pyproject.toml (mkdocs, mkdocs-material, mkdocstrings), into the venv like
 # the other extras. The build needs neither torch nor the compiled extension: mkdocstrings reads

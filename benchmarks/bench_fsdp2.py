@@ -421,18 +421,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=int, default=getattr(Config, name))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per world size")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON record (the .md table beside it); default "
-                             "benchmarks/results/fsdp2-cpu-gloo-<date>.json")
+                        help="also write this run's record as JSON here (the .md table beside "
+                             "it)")
+    from benchmarks.accumbench import results as suite_files
+    suite_files.add_arguments(parser, "fsdp2")
     args = parser.parse_args(argv)
     if args.accum < 2 or args.windows < 1 or args.warmup < 0 or min(args.world) < 2:
         parser.error("need --accum >= 2, --windows >= 1, --warmup >= 0, --world >= 2")
-    from benchmarks.accumbench.env import REPO_ROOT, environment
+    from benchmarks.accumbench.env import environment
 
     cfg = Config(**{k: getattr(args, k) for k in ("dim", "layers", "batch", "accum",
                                                   "windows", "warmup")})
     started = time.monotonic()
     now = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or REPO_ROOT / "benchmarks" / "results" / f"fsdp2-cpu-gloo-{now.date()}.json"
     results = []
     for world in args.world:
         print(f"[bench_fsdp2] W={world} ...", file=sys.stderr, flush=True)
@@ -450,10 +451,12 @@ def main(argv: list[str] | None = None) -> int:
               "results": results, "elapsed_s": time.monotonic() - started}
     table = format_table(record)
     print(table)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table + "\n")
-    print(f"[bench_fsdp2] wrote {out} and {out.with_suffix('.md').name}", file=sys.stderr)
+    saved = suite_files.save("fsdp2", record, args)
+    if args.out is not None:
+        args.out.with_suffix(".md").write_text(table + "\n")
+    print("[bench_fsdp2] " + (f"appended a row to {saved}" if saved else "no row appended")
+          + (f"; wrote {args.out} and {args.out.with_suffix('.md').name}" if args.out else ""),
+          file=sys.stderr)
     return 0
 
 

@@ -54,8 +54,8 @@ copies, and the gap after the timing is recorded. The bf16 row's difference from
 On a GPU a second table times GPT-2-124M in bf16 (batch 1 and 8, sequence 1024), ``native_bf16``
 against ``wrapper_bf16``: the host time of the backward and the step (the call to its return,
 not synchronised) and the device time (CUDA events just before and after the call), and says
-which bounds it (the critical path). Without a GPU it says "pending: no GPU". JSON goes to
-benchmarks/results/host-time-<device-slug>-<date>[-quick].json.
+which bounds it (the critical path). Without a GPU it says "pending: no GPU". The run is
+appended as a tagged row to benchmarks/results/host.jsonl (``--out``: its record as JSON too).
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -73,9 +72,8 @@ from pathlib import Path
 import torch
 
 import accumkernels
-from benchmarks.accumbench import host_report
-from benchmarks.accumbench.env import default_out_path, environment
-from benchmarks.accumbench.report import json_safe
+from benchmarks.accumbench import host_report, results, summary
+from benchmarks.accumbench.env import environment
 from benchmarks.accumbench.workloads import gpt2_shapes
 from benchmarks.bench_step import Probe
 from benchmarks.bench_train import make_model
@@ -412,8 +410,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--note", default="", help="a line about the conditions, kept in the record")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 repetitions: a smoke test")
-    p.add_argument("--out", type=Path, help="JSON path (default: "
-                   "benchmarks/results/host-time-<device-slug>-<date>[-quick].json)")
+    p.add_argument("--out", type=Path, help="also write this run's record as JSON here")
+    results.add_arguments(p, "host", note=False)
     args = p.parse_args(argv)
     if args.reps is None:
         args.reps = 3 if args.quick else 15
@@ -461,10 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                                "events beside it" if device.type == "cuda" else "")},
         "tables": tables, "critical_path": cp, "elapsed_s": time.perf_counter() - started,
     }
-    out = args.out or default_out_path("host-time-" + env["device_slug"], now.date(), False,
-                                       args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(json_safe(record), indent=1) + "\n")
+    saved = results.save("host", record, args)
     commit = env["git_commit"] or "unknown"
     print(f"host-time: {env['device_name']} ({env['device']}), torch {env['torch']}, triton "
           f"{env['triton']}, {env['torch_threads']} thread(s), clock {args.clock}, commit "
@@ -473,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     for table in tables.values():
         print("\n" + host_report.format_table(table))
     print("\n" + host_report.format_critical_path(cp), flush=True)
-    _log(f"wrote {out} ({record['elapsed_s']:.1f} s)")
+    print("\n" + summary.format_summary({"host": record}), flush=True)
+    _log((f"appended a row to {saved}" if saved else "no row appended (--quick/--no-results)")
+         + (f"; wrote {args.out}" if args.out else "") + f" ({record['elapsed_s']:.1f} s)")
     ok = all(r["error"] is None and r["verified"] is not False
              for t in tables.values() for r in t["rows"])
     return 0 if ok else 1

@@ -1,6 +1,9 @@
 """The optimizer step: AccumulatingOptimizer's against the inner optimizer's own (issue 20).
 
-    python -m benchmarks.accumbench step [--device cuda] [--quick] [--out PATH]
+    python -m benchmarks.accumbench step [--device cuda] [--quick] [--note TEXT] [--out PATH]
+
+The run is appended as a tagged row to benchmarks/results/step.jsonl (see
+accumbench/results.py); its table and summary line go to stdout.
 
 Rows, all on the same parameter list (a GPT-2-shaped one; each row owns its copy):
 
@@ -69,7 +72,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import math
 import sys
 import time
@@ -80,9 +82,9 @@ import torch
 
 import accumkernels
 from accumkernels.ops.backends import native
-from benchmarks.accumbench.env import default_out_path, environment
+from benchmarks.accumbench import results, summary
+from benchmarks.accumbench.env import environment
 from benchmarks.accumbench.measure import quantiles
-from benchmarks.accumbench.report import json_safe
 from benchmarks.accumbench.step_report import add_ratios, format_table
 from benchmarks.accumbench.tally import TrafficTally
 from benchmarks.accumbench.workloads import Shape, gpt2_124m_shapes, gpt2_shapes
@@ -451,8 +453,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a line about the conditions (e.g. 'shared box'), kept in the record")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny list, 3 reps: a smoke test")
-    p.add_argument("--out", type=Path, help="JSON path (default: "
-                   "benchmarks/results/step-<device-slug>-<date>[-quick].json)")
+    p.add_argument("--out", type=Path, help="also write this run's record as JSON here")
+    results.add_arguments(p, "step", note=False)
     args = p.parse_args(argv)
     gpu = torch.device(args.device).type == "cuda"
     if args.workload is None:
@@ -524,12 +526,11 @@ def main(argv: list[str] | None = None) -> int:
                    "lr": LR},
         "rows": records, "elapsed_s": time.perf_counter() - started,
     }
-    out = args.out or default_out_path("step-" + env["device_slug"], now.date(), False,
-                                       args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(json_safe(record), indent=1) + "\n")
+    saved = results.save("step", record, args)
     print(format_table(record), flush=True)
-    _log(f"wrote {out} ({record['elapsed_s']:.1f} s)")
+    print("\n" + summary.format_summary({"step": record}), flush=True)
+    _log((f"appended a row to {saved}" if saved else "no row appended (--quick/--no-results)")
+         + (f"; wrote {args.out}" if args.out else "") + f" ({record['elapsed_s']:.1f} s)")
     return 0 if all(r["status"] == "ok" for r in records) else 1
 
 

@@ -1,6 +1,6 @@
-"""End-to-end training: one large batch vs gradient accumulation (the classic single-GPU table).
+"""End-to-end training: one large batch vs gradient accumulation (the single-GPU table).
 
-    python -m benchmarks.bench_train [--device cuda] [--model gpt2|llama] [--quick] [--out PATH]
+    python -m benchmarks.accumbench train [--device cuda] [--model gpt2|llama] [--quick] [--note T]
 
 Reproduces the table of Hugging Face's efficient-training guide (batch 4 vs batch 1 x 4
 accumulation steps: time, samples/second, peak GPU memory) with a plain loop that means what
@@ -18,19 +18,26 @@ bf16, dropout off, on random tokens made here. Rows:
 * ``accumkernels+fused_wgrad``: the same plus ``accumkernels.fuse_wgrad_accumulation`` (only
   where the package has it).
 
-Extra columns. ``accum share``: (ms per micro-batch of the row - ms per micro-batch of a
-fwd+bwd that accumulates nothing) / ms per micro-batch of the row; the reference sets ``.grad``
-to None before every backward, so autograd stores each gradient without adding. It is a
-difference of two medians: small values are within noise, and a negative one means the row's
-backward is cheaper than the plain one (fused weight-gradient GEMMs). ``rel err``: for a few
-params, ||accumulated - Σ gᵢ|| / ||Σ gᵢ||, with Σ gᵢ the float64 sum of the per-micro-batch
-gradients, measured in a separate verification pass: captured with tensor hooks from the very
-backward passes the row accumulates, or (large batch; weights whose gradient a fused layer
-never materialises) recomputed with ``torch.autograd.grad`` on the same weights and batches.
-``peak MB``: on a GPU ``torch.cuda.max_memory_allocated`` over the timed windows; on the CPU,
-which has no allocator statistics, the peak of live tensor bytes over two windows of the row
-run in a separate pass (see ``peak_live_bytes``). Both include the model copy and the optimizer
-state. JSON goes to benchmarks/results/train-<device-slug>-<date>[-quick].json.
+Timing: the rows and the reference (a fwd+bwd that accumulates nothing: ``.grad`` set to None
+before every backward, so autograd stores each gradient without adding), each with its own
+model copy, run one window each per repetition in rotating order (round-robin), every
+micro-batch timed; load on a shared machine then falls on all of them alike.
+
+Extra columns. ``accum share``: what accumulation adds to a micro-batch, as a share of the
+row's: (median ms per micro-batch of the row - the reference's) / the row's, reported only when
+the difference exceeds its noise bound (2 standard errors of the difference of the two medians,
+sigma from each sample's interquartile range: ``accumulation_share``); within the bound the
+cell says "below noise", and a row faster than the reference beyond it (fused weight-gradient
+GEMMs never materialise the gradient) says "< reference". It is never negative. ``rel err``:
+for a few params, ||accumulated - Σ gᵢ|| / ||Σ gᵢ||, with Σ gᵢ the float64 sum of the
+per-micro-batch gradients, measured in a separate verification pass: captured with tensor hooks
+from the very backward passes the row accumulates, or (large batch; weights whose gradient a
+fused layer never materialises) recomputed with ``torch.autograd.grad`` on the same weights and
+batches. ``peak MB`` (and per param): in a pass of its own, two windows of the row alone; on a
+GPU ``torch.cuda.max_memory_allocated`` above what was allocated before the row's model copy;
+on the CPU, which has no allocator statistics, the peak of live tensor bytes (see
+``peak_live_bytes``). Both include the model copy and the optimizer state. The run is appended
+as a tagged row to benchmarks/results/train.jsonl (``--out``: its record as JSON too).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import argparse
 import copy
 import datetime
 import gc
-import json
+import math
 import statistics
 import sys
 import time
@@ -48,8 +55,9 @@ from pathlib import Path
 import torch
 
 import accumkernels
-from benchmarks.accumbench.env import default_out_path, environment
-from benchmarks.accumbench.report import json_safe
+from benchmarks.accumbench import results, summary
+from benchmarks.accumbench.env import environment
+from benchmarks.accumbench.measure import quantiles
 from benchmarks.accumbench.tally import LiveTensorBytes
 
 FOOTNOTE = ("err hooks: vs the float64 sum of the bf16 gradients the row itself accumulated; "
@@ -59,8 +67,13 @@ FOOTNOTE = ("err hooks: vs the float64 sum of the bf16 gradients the row itself 
 ROWS = ("large_batch", "native_bf16", "main_grad_fp32", "accumkernels",
         "accumkernels+fused_wgrad")
 LR = 1e-4
-PEAK_METHOD = {True: "torch.cuda.max_memory_allocated over the timed windows",
+PEAK_METHOD = {True: "torch.cuda.max_memory_allocated over two windows of the row alone (own "
+                     "pass), above what was allocated before its model copy",
                False: "peak live tensor bytes over two windows (LiveTensorBytes, own pass)"}
+SHARE_NOTE = ("accum share: (median ms/micro of the row - the reference's) / the row's, both "
+              "over interleaved repetitions; ±: the noise bound (2 standard errors of the "
+              "difference of medians, sigma from the IQR); 'below noise' when the difference "
+              "is within it, '< reference' when the row is faster than the reference beyond it")
 
 
 def _log(msg: str) -> None:
@@ -223,40 +236,126 @@ def _splits(window: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(window.chunk(n)) if n > 1 else [window]
 
 
-def time_row(row: str | None, base: torch.nn.Module, data: list[torch.Tensor], n: int,
-             warmup: int, device: torch.device) -> dict:
-    """Timed windows of one row (``None``: the no-accumulation fwd+bwd reference, no step)."""
-    model = _fresh(base, device)
-    state = SETUPS[row](model, n) if row else None
-    micro_ms, step_ms, window_ms = [], [], []
-    for w, window in enumerate(data):
+class Entry:
+    """One timed column: a row's model copy and state (``row`` None: the reference, a fwd+bwd
+    that accumulates nothing) and its timings in ms (``micro``: every timed micro-batch)."""
+
+    def __init__(self, row: str | None, base: torch.nn.Module, n: int, device: torch.device):
+        self.row, self.n = row, n
+        self.micro: list[float] = []
+        self.step: list[float] = []
+        self.window: list[float] = []
+        self.error: str | None = None
+        self.model = _fresh(base, device)
+        self.state = None
+        try:
+            self.state = SETUPS[row](self.model, n) if row else None
+        except Exception as exc:  # noqa: BLE001 - recorded in the row, the others go on
+            self.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    def run_window(self, window: torch.Tensor, device: torch.device, keep: bool) -> None:
+        """One window: each micro-batch's fwd+bwd (+ moving its gradients) timed, then the
+        step."""
+        micro = []
         _sync(device)
         t0 = time.perf_counter()
-        for x in _splits(window, n):
-            if state is None:
-                model.zero_grad(set_to_none=True)  # autograd stores the gradient, adds nothing
-            loss_of(model, x, n).backward()
-            if state is not None:
-                state.after_backward()
-        _sync(device)
+        for x in _splits(window, self.n):
+            ta = time.perf_counter()
+            if self.state is None:
+                self.model.zero_grad(set_to_none=True)  # autograd stores the gradient, no add
+            loss_of(self.model, x, self.n).backward()
+            if self.state is not None:
+                self.state.after_backward()
+            _sync(device)
+            micro.append((time.perf_counter() - ta) * 1e3)
         t1 = time.perf_counter()
-        if state is not None:
-            state.step()
+        if self.state is not None:
+            self.state.step()
         _sync(device)
         t2 = time.perf_counter()
-        if w >= warmup:
-            micro_ms.append((t1 - t0) * 1e3 / n)
-            step_ms.append((t2 - t1) * 1e3)
-            window_ms.append((t2 - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    if state is not None:
-        state.close()
-    del state, model
-    batch = data[0].shape[0]
-    total_s = sum(window_ms) / 1e3
-    return {"ms_per_microbatch": statistics.median(micro_ms), "step_ms": statistics.median(step_ms),
-            "ms_per_window": statistics.median(window_ms), "time_s": total_s,
-            "samples_per_s": batch * len(window_ms) / total_s, "peak_mem_bytes": peak}
+        if keep:
+            self.micro += micro
+            self.step.append((t2 - t1) * 1e3)
+            self.window.append((t2 - t0) * 1e3)
+
+    def timing(self, batch: int) -> dict:
+        total_s = sum(self.window) / 1e3
+        return {"ms_per_microbatch": statistics.median(self.micro), "microbatch_ms": self.micro,
+                "step_ms": statistics.median(self.step),
+                "ms_per_window": statistics.median(self.window), "window_ms": self.window,
+                "time_s": total_s, "samples_per_s": batch * len(self.window) / total_s}
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.state.close()
+        self.state = self.model = None
+
+
+def time_interleaved(rows: list[str], base: torch.nn.Module, data: list[torch.Tensor], n: int,
+                     warmup: int, device: torch.device) -> tuple[Entry, list[Entry]]:
+    """Every row and the reference, each with its own model copy, one window each per
+    repetition in rotating order (round-robin), so that load on a shared machine falls on all
+    of them alike; the first ``warmup`` windows are not kept."""
+    reference = Entry(None, base, n, device)
+    entries = [Entry(r, base, 1 if r == "large_batch" else n, device) for r in rows]
+    for rep, window in enumerate(data):
+        live = [e for e in [reference, *entries] if e.error is None]
+        k = rep % max(len(live), 1)
+        for e in live[k:] + live[:k]:
+            try:
+                e.run_window(window, device, keep=rep >= warmup)
+            except Exception as exc:  # noqa: BLE001 - recorded in the row, the others go on
+                e.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        _log(f"repetition {rep + 1}/{len(data)}" + (" (warm-up)" if rep < warmup else ""))
+    for e in [reference, *entries]:
+        e.close()
+    return reference, entries
+
+
+NOISE_Z = 2.0  # the noise bound in standard errors of the difference (about 95 %)
+
+
+def median_se(xs: list[float]) -> float:
+    """The standard error of a sample's median: 1.2533 sigma / sqrt(n), sigma from the
+    interquartile range (robust to the outliers a loaded machine adds); inf below 2 samples."""
+    if len(xs) < 2:
+        return math.inf
+    p25, p75 = quantiles(xs, (0.25, 0.75))
+    return 1.2533 * (p75 - p25) / 1.349 / math.sqrt(len(xs))
+
+
+def accumulation_share(row_ms: list[float], ref_ms: list[float], z: float = NOISE_Z) -> dict:
+    """What accumulation adds to a micro-batch: the difference of the medians of the row's and
+    the reference's micro-batch times (interleaved), against a noise bound of ``z`` standard
+    errors of that difference. The share is reported only when the difference exceeds the
+    bound (``accum_verdict`` "measured"); within it the verdict is "below noise", and a row
+    faster than the reference by more than it (fused weight gradients) is "below reference":
+    the share is then None, never negative."""
+    mine, ref = statistics.median(row_ms), statistics.median(ref_ms)
+    diff = mine - ref
+    noise = z * math.sqrt(median_se(row_ms) ** 2 + median_se(ref_ms) ** 2)
+    verdict = ("measured" if diff > noise else
+               "below reference" if diff < -noise else "below noise")
+    return {"accum_ms": diff, "noise_ms": noise,
+            "accum_share": diff / mine if verdict == "measured" else None,
+            "noise_share": noise / mine if mine > 0 else None, "accum_verdict": verdict}
+
+
+def peak_gpu_bytes(row: str, base: torch.nn.Module, data: list[torch.Tensor], n: int,
+                   device: torch.device) -> int:
+    """GPU: ``max_memory_allocated`` over two windows of the row alone (the first step
+    allocates the optimizer state), above what was allocated before its model copy."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    entry = Entry(row, base, n, device)
+    if entry.error:
+        raise RuntimeError(entry.error)
+    for window in data[:2]:
+        entry.run_window(window, device, keep=False)
+    entry.close()
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def peak_live_bytes(row: str, base: torch.nn.Module, data: list[torch.Tensor], n: int
@@ -348,20 +447,26 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, help="B, the large batch: 16 on GPU, 8 on CPU")
     p.add_argument("--accumulation-steps", type=int, default=4, help="N (default 4)")
     p.add_argument("--steps", type=int,
-                   help="timed optimizer steps per row: 20 GPU, 3 CPU (1 with --quick)")
+                   help="timed optimizer steps (windows) per row: 20 GPU, 8 CPU (2 with --quick)")
     p.add_argument("--warmup", type=int, help="untimed steps first: 2 GPU, 1 CPU")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of rows")
+    p.add_argument("--threads", type=int,
+                   help="torch.set_num_threads (default 1 on CPU, where a tiny model's ops wait "
+                        "for a second core's wake-up on a shared box; torch's on GPU; 0 = torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny CPU-sized run: a smoke test")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="also write this run's record as JSON here")
+    results.add_arguments(p, "train")
     args = p.parse_args(argv)
     gpu = torch.device(args.device).type == "cuda" and not args.quick
     defaults = {"n_layer": (12, 2), "n_embd": (768, 64), "n_head": (12, 4), "seq": (1024, 32),
-                "batch_size": (16, 8), "steps": (20, 1 if args.quick else 3), "warmup": (2, 1),
+                "batch_size": (16, 8), "steps": (20, 2 if args.quick else 8), "warmup": (2, 1),
                 "vocab": (50257 if args.model == "gpt2" else 32000, 256)}
     for key, (on_gpu, small) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, on_gpu if gpu else small)
+    if args.threads is None:
+        args.threads = 0 if torch.device(args.device).type == "cuda" else 1
     n = args.accumulation_steps
     if n < 1 or args.batch_size % n:
         p.error(f"--batch-size {args.batch_size} must be a positive multiple of "
@@ -373,18 +478,32 @@ def parse_args(argv):
     return args
 
 
-def run_row(row, base, data, args, device) -> dict:
-    n = 1 if row == "large_batch" else args.accumulation_steps
+def finish_row(entry: Entry, reference: Entry, base, data, args, device) -> dict:
+    """A row's record: its interleaved timing, its accumulation share against the reference,
+    then (own passes) its peak memory and the gradient check."""
+    row, n = entry.row, entry.n
     out = {"row": row, "micro_batch_size": args.batch_size // n, "accumulation_steps": n,
-           "status": "ok", "error": None}
+           "status": "ok", "error": entry.error}
     try:
-        out.update(time_row(row, base, data, n, args.warmup, device))
-        if device.type == "cpu":
-            out["peak_mem_bytes"] = peak_live_bytes(row, base, data, n)
+        if entry.error:
+            raise RuntimeError(entry.error)
+        out.update(entry.timing(args.batch_size))
+        if n > 1:  # the large batch accumulates nothing: no share
+            out.update(accumulation_share(entry.micro, reference.micro))
+        out["peak_mem_bytes"] = (peak_gpu_bytes(row, base, data, n, device)
+                                 if device.type == "cuda" else
+                                 peak_live_bytes(row, base, data, n))
         out.update(verify_row(row, base, data[0], args.accumulation_steps, args.model, device))
     except Exception as exc:  # noqa: BLE001 - recorded, the next row runs
         out.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:300]}")
     return out
+
+
+def _share_cell(r: dict) -> str:
+    verdict = r.get("accum_verdict")
+    if verdict == "measured":
+        return f"{r['accum_share']:.1%}±{r['noise_share']:.1%}"
+    return {"below noise": "below noise", "below reference": "< reference"}.get(verdict, "-")
 
 
 def format_table(record: dict) -> str:
@@ -392,49 +511,56 @@ def format_table(record: dict) -> str:
     head = (f"{c['model']} ({c['n_layer']} layers, d={c['n_embd']}, {c['params'] / 1e6:.1f}M "
             f"params), bf16, seq {c['seq']}, batch {c['batch_size']} (accumulation: "
             f"{c['batch_size'] // c['accumulation_steps']} x {c['accumulation_steps']}), "
-            f"{c['steps']} timed steps, {record['environment']['device_name']}")
+            f"{c['steps']} timed steps, rows and reference interleaved, "
+            f"{record['environment']['device_name']}" + (f"; {c['note']}" if c.get("note") else ""))
     ref = record["reference"]["ms_per_microbatch"]
-    lines = [head, f"fwd+bwd without accumulation: {ref:.2f} ms per micro-batch", "",
-             f"{'row':<26} {'time s':>8} {'samples/s':>10} {'peak MB':>9} {'ms/micro':>9} "
-             + f"{'step ms':>8} {'accum share':>11} {'err hooks':>9} {'err recomp':>10}"]
+    lines = [head, (f"fwd+bwd without accumulation (the reference): {ref:.2f} ms per "
+                    "micro-batch (median)"), "",
+             (f"{'row':<26} {'time s':>8} {'samples/s':>10} {'peak MB':>9} {'B/param':>8} "
+              f"{'ms/micro':>9} {'step ms':>8} {'accum share':>13} {'err hooks':>9} "
+              f"{'err recomp':>10}")]
     for r in record["rows"]:
         if r["status"] != "ok":
             lines.append(f"{r['row']:<26} {r['status']}: {r['error']}")
             continue
-        peak = f"{r['peak_mem_bytes'] / 1e6:9.1f}" if r["peak_mem_bytes"] is not None else "-"
-        share = f"{r['accum_share']:11.1%}" if r.get("accum_share") is not None else "-"
+        peak = r.get("peak_mem_bytes")
+        per = f"{peak / c['params']:8.1f}" if peak is not None else "-"
+        peak = f"{peak / 1e6:9.1f}" if peak is not None else "-"
         hooks, recomp = (f"{r[k]:.2e}" if r[k] is not None else "-"
                          for k in ("rel_err_hooks", "rel_err_recomputed"))
         lines.append(f"{r['row']:<26} {r['time_s']:8.2f} {r['samples_per_s']:10.1f} {peak:>9} "
-                     f"{r['ms_per_microbatch']:9.2f} {r['step_ms']:8.2f} {share:>11} "
-                     f"{hooks:>9} {recomp:>10}")
+                     f"{per:>8} {r['ms_per_microbatch']:9.2f} {r['step_ms']:8.2f} "
+                     f"{_share_cell(r):>13} {hooks:>9} {recomp:>10}")
     method = c.get("peak_mem_method") or "torch.cuda.max_memory_allocated"
-    lines += ["", FOOTNOTE, f"peak MB (1e6 bytes): {method}"]
+    lines += ["", FOOTNOTE, f"peak MB (1e6 bytes): {method}", SHARE_NOTE]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    started = time.perf_counter()
     base = make_model(args.model, args.n_layer, args.n_embd, args.n_head, args.vocab, args.seq)
     n_params = sum(p.numel() for p in base.parameters())
     gen = torch.Generator().manual_seed(args.seed)
     data = [torch.randint(args.vocab, (args.batch_size, args.seq), generator=gen).to(device)
             for _ in range(args.warmup + args.steps)]
     rows_wanted = [r for r in args.rows if r in available_rows()]
-    _log("reference: fwd+bwd without accumulation ...")
-    reference = time_row(None, base, data, args.accumulation_steps, args.warmup, device)
+    _log(f"timing {len(rows_wanted)} rows and the reference, interleaved ...")
+    ref, entries = time_interleaved(rows_wanted, base, data, args.accumulation_steps,
+                                    args.warmup, device)
+    if ref.error:
+        _log(f"error: the reference failed: {ref.error}")
+        return 1
     rows = []
-    for row in rows_wanted:
-        _log(f"{row} ...")
-        r = run_row(row, base, data, args, device)
-        if r["status"] == "ok" and r["accumulation_steps"] > 1:
-            r["accum_ms"] = r["ms_per_microbatch"] - reference["ms_per_microbatch"]
-            r["accum_share"] = r["accum_ms"] / r["ms_per_microbatch"]
-        rows.append(r)
+    for entry in entries:
+        _log(f"{entry.row}: peak memory and the gradient check ...")
+        rows.append(finish_row(entry, ref, base, data, args, device))
     env = environment(device)
-    record = {"benchmark": "train", "schema_version": 1, "environment": env,
+    record = {"benchmark": "train", "schema_version": 2, "environment": env,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "argv": list(sys.argv[1:] if argv is None else argv),
               "config": {"model": args.model, "n_layer": args.n_layer, "n_embd": args.n_embd,
@@ -444,14 +570,18 @@ def main(argv=None) -> int:
                          "warmup": args.warmup, "params": n_params, "dtype": "bf16",
                          "optimizer": f"AdamW(lr={LR})", "seed": args.seed, "quick": args.quick,
                          "verified_params": verified_param_names(base, args.model),
-                         "peak_mem_method": PEAK_METHOD[device.type == "cuda"]},
-              "reference": reference, "rows": rows}
-    out = args.out or default_out_path("train-" + env["device_slug"], datetime.date.today(),
-                                       False, args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(json_safe(record), indent=1) + "\n")
+                         "peak_mem_method": PEAK_METHOD[device.type == "cuda"],
+                         "timing": "rows and the reference interleaved, one window each per "
+                                   "repetition in rotating order; every micro-batch timed",
+                         "noise_z": NOISE_Z, "threads": torch.get_num_threads(),
+                         "note": args.note},
+              "reference": ref.timing(args.batch_size), "rows": rows,
+              "elapsed_s": time.perf_counter() - started}
+    saved = results.save("train", record, args)
     print(format_table(record))
-    _log(f"wrote {out}")
+    print("\n" + summary.format_summary({"train": record}), flush=True)
+    _log((f"appended a row to {saved}" if saved else "no row appended (--quick/--no-results)")
+         + (f"; wrote {args.out}" if args.out else "") + f" ({record['elapsed_s']:.1f} s)")
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 

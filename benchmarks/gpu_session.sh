@@ -13,7 +13,7 @@
 #             GPT-2-124M list vs the loops and _foreach_add_, host overhead for 300 tensors, the
 #             step table's fused-master rows). Budget 450 s (AK_BUDGET). Without a GPU (or with
 #             AK_CPU=1) it rehearses the same stages on the CPU: an in-place CPU build, the
-#             interpreter, --quick benchmarks (benchmarks/results/first-rehearsal-cpu-*.log)
+#             interpreter, --quick benchmarks (the log: $OUT/session.log)
 #             Plan on the GPU (s; cap in brackets, FIRST_PLAN below): env 10 [20], build 40 [85]
 #             (one arch, 16 jobs: master_step_cuda.cu's instantiations need 8 s of CPU here),
 #             triton-warm 40 [55] (only the Triton parametrisations, contiguous shards over 15
@@ -47,7 +47,8 @@
 # logs in $OUT/triton-warm-logs), a partial-STAGE.json for a stage stopped by its cap, the summary
 # as $OUT/stages-MODE.json (written on SIGTERM too), JSON records in $OUT (also copied to
 # benchmarks/results/ of the device's tree, which does not come back: copy them from the call's
-# files), a summary table last.
+# files), the suites' tagged rows in $OUT/results/<suite>.jsonl (append them to the checkout's
+# benchmarks/results/<suite>.jsonl), a summary table last.
 # Environment: OUT (the device tool sets it), ACCUMKERNELS_GIT_COMMIT (the commit, recorded in
 # every JSON; the device's tree has no git), PY (default python3), AK_BUDGET.
 set -u -o pipefail
@@ -58,6 +59,8 @@ OUT=${OUT:-/tmp/ak-out}
 PY=${PY:-python3}
 JOBS=${AK_JOBS:-$(nproc 2>/dev/null || echo 4)}
 CPU_MODE=${AK_CPU:-}
+# The suites' rows go where the call's files come back from, not into the device's tree.
+export ACCUMBENCH_RESULTS_DIR=${ACCUMBENCH_RESULTS_DIR:-$OUT/results}
 if [[ -z $CPU_MODE ]] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
     2>/dev/null; then CPU_MODE=1; fi
 # the CPU rehearsal runs the same stages with 3x the caps and budget (a shared 2-core machine)

@@ -17,7 +17,7 @@ its hooks), and ``finish``. ``step - window`` is the entry (hooks, checks). The 
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
 import math
 import statistics
 import sys
@@ -30,6 +30,7 @@ from accumkernels.optim.intake import intake as intake_mod
 from accumkernels.optim import protocol
 from accumkernels.optim.step import step as step_mod
 from benchmarks import bench_step
+from benchmarks.accumbench import results
 from benchmarks.accumbench.env import environment
 
 DEFAULT_ROWS = "adamw_fused,read_pass,wrapper_fp32_sum,wrapper_fp32_clip,wrapper_bf16_sum," \
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="gpt2-24m", choices=tuple(bench_step.WORKLOADS))
     p.add_argument("--clock", choices=("thread", "wall"), default="thread")
     p.add_argument("--note", default="")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="also write the record as JSON here")
+    results.add_arguments(p, "phases", note=False)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -112,13 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                  "inner (the inner optimizer's step), copy-back, expose; step - window: the "
                  "wrapper's step() entry")
     print("\n".join(lines))
-    if args.out:
-        env = environment(torch.device("cpu"))
-        args.out.write_text(json.dumps({"benchmark": "step_phases", "environment": env,
-                                        "argv": list(sys.argv[1:] if argv is None else argv),
-                                        "clock": args.clock, "note": args.note,
-                                        "median_ms": table, "samples_ms": samples},
-                                       indent=1) + "\n")
+    env = environment(torch.device("cpu"))
+    record = {"benchmark": "step_phases",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "environment": env, "argv": list(sys.argv[1:] if argv is None else argv),
+              "clock": args.clock, "note": args.note, "median_ms": table, "samples_ms": samples}
+    results.save("phases", record, args)
     for row in rows:
         row.close()
     return 0

@@ -3,11 +3,14 @@
 Every provider (per-param loops, torch._foreach_add_, native grad_dtype=float32 accumulation,
 each accumkernels backend) is run once and compared with a float64 reference, then timed on
 random data, rotating buffer sets so no call hits in cache. Results are effective bandwidth,
-also as a fraction of a fp32 copy_ measured in the same run, and speed-ups over each baseline.
-A 300-tensor list then measures host overhead per call. Prints a table to stdout, progress to
-stderr, and writes a JSON record (see benchmarks/results/README.md) and a PNG plot of the flat
-buffers next to it. Exit status 1 if any row is MISMATCH or error. Other suites:
-``python -m benchmarks.accumbench step|train ...`` (see suites.py).
+also as a multiple of the limit measured in the same run ('x limit': on the CPU a plain fused C
+loop with the same bytes per element over one flat buffer of each list's size, see limit.py; on
+a GPU a fp32 device-to-device copy_), and speed-ups over each baseline. A 300-tensor list then
+measures host overhead per call. Prints a table and a summary to stdout, progress to stderr,
+appends the run as a tagged row to benchmarks/results/kernels.jsonl (see
+benchmarks/results/README.md) and draws the plot (kernels.png beside it) from that file. Exit
+status 1 if any row is MISMATCH or error. Other suites: ``python -m benchmarks.accumbench
+step|host|train|wrapper|summary|plot ...`` (see suites.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -23,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accumbench.env import default_out_path, environment
+from benchmarks.accumbench import limit as limit_loop
+from benchmarks.accumbench import results, summary
+from benchmarks.accumbench.env import environment
 from benchmarks.accumbench.measure import (
     check_provider,
     measure_copy,
@@ -41,13 +45,20 @@ from benchmarks.accumbench.providers import (
     provider_scale,
     select_providers,
 )
-from benchmarks.accumbench.report import format_table, json_safe, write_plot
+from benchmarks.accumbench.report import (
+    PLOT_SKIPPED,
+    can_plot,
+    format_table,
+    plot_from_suite,
+    write_plot,
+)
 from benchmarks.accumbench.workloads import (
     DTYPES,
     QUICK_FLAT_NUMEL,
     REL_TOL,
     SCALE,
     WORKLOADS,
+    Shape,
     Workload,
     bytes_per_element,
     fit_llama_layers,
@@ -59,6 +70,10 @@ from benchmarks.accumbench.workloads import (
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
                  "float": "fp32"}
 WORKLOAD_ALIASES = {"llama": "llama7b"}
+# The flat sizes of the size sweep (the plot's lower panels), from cache-resident to DRAM-bound.
+CPU_SWEEP = (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+GPU_SWEEP = (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20)
+QUICK_SWEEP = (4097, QUICK_FLAT_NUMEL)
 
 
 def _log(msg: str) -> None:
@@ -99,10 +114,40 @@ def measure_provider(name: str, fn: Provider, w: Workload, dtype: str, dsts: lis
     return row
 
 
+LIMIT = "limit"  # the provider name of the limit rows
+
+
+def measure_limit(loop: limit_loop.LimitLoop, w: Workload, dtype: str, n_sets: int,
+                  device: torch.device, args: argparse.Namespace, copy_gbps: float) -> dict:
+    """The limit row of one list and dtype: the C loop over one flat buffer of its total size."""
+    flat: tuple[Shape, ...] = ((w.numel,),)
+    dsts = [random_tensors(flat, torch.float32, device) for _ in range(n_sets)]
+    srcs = [random_tensors(flat, DTYPES[dtype], device) for _ in range(n_sets)]
+    idx = sample_indices(flat, device, seed=args.seed)
+    as_flat = Workload(w.name, w.label, flat, w.scale)
+    row = measure_provider(LIMIT, loop.provider(SCALE, args.overwrite), as_flat, dtype, dsts,
+                           srcs, idx, device, args, copy_gbps)
+    row.update(n_tensors=len(w.shapes), kind="limit", threads=loop.threads)
+    return row
+
+
+def add_limits(rows: list[dict], copy_gbps: float, device: torch.device) -> None:
+    """Every row's ``x_limit`` = GB/s / the limit's GB/s (its list and dtype's limit row on the
+    CPU, the copy_ of this run on a GPU)."""
+    limits = {(r["label"], r["dtype"]): r["gbps"] for r in rows
+              if r["provider"] == LIMIT and r["status"] == "ok" and r["gbps"]}
+    for r in rows:
+        lim = copy_gbps if device.type == "cuda" else limits.get((r["label"], r["dtype"]))
+        r["limit_gbps"] = lim
+        r["x_limit"] = r["gbps"] / lim if r.get("gbps") and lim else None
+
+
 def add_speedups(rows: list[dict]) -> None:
     """Speed-up vs every baseline, and vs the faster of loop_add/foreach, per workload and dtype."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
+        if r["provider"] == LIMIT:
+            continue  # the limit is a yardstick, not a way to accumulate a list
         groups.setdefault((r["workload"], r["label"], r["dtype"]), []).append(r)
     for group in groups.values():
         ms = {r["provider"]: r["median_ms"] for r in group
@@ -164,7 +209,9 @@ def run_benchmarks(args: argparse.Namespace, device: torch.device, names: list[s
     providers = make_providers(device, SCALE, args.overwrite)
     workloads = build_workloads(args, device)
     overhead_names = names if args.overhead else []
-    total = 1 + len(workloads) * len(args.dtypes) * len(names) + len(overhead_names)
+    loop = args.limit_loop
+    per_group = len(names) + (loop is not None)
+    total = 1 + len(workloads) * len(args.dtypes) * per_group + len(overhead_names)
     step = itertools.count(1)
     copy = measure_copy(args.copy_numel, device, args.reps, args.max_sets,
                         graph=args.timer == "graph")
@@ -187,10 +234,17 @@ def run_benchmarks(args: argparse.Namespace, device: torch.device, names: list[s
             _free(device)
             _log(f"{w.label}: skipped, out of memory ({exc})")
             rows += _skipped_rows(w, args, names, exc)
-            for _ in range(len(args.dtypes) * len(names)):
+            for _ in range(len(args.dtypes) * per_group):
                 next(step)
             continue
         for dtype in args.dtypes:
+            if loop is not None:  # first, so that the group's rows follow their yardstick
+                row = measure_limit(loop, w, dtype, n_sets, device, args, copy["gbps"])
+                rows.append(row)
+                _log(f"[{next(step)}/{total}] {w.label} {dtype} {LIMIT} (C loop, "
+                     f"{format_count(w.numel)} flat): "
+                     + (f"{row['median_ms']:.3f} ms {row['gbps']:.1f} GB/s " if row["median_ms"]
+                        else "") + row["status"] + (f" ({row['error']})" if row["error"] else ""))
             srcs = [random_tensors(w.shapes, DTYPES[dtype], device) for _ in range(n_sets)]
             for name in names:
                 row = measure_provider(name, providers[name], w, dtype, dsts, srcs, idx, device,
@@ -209,6 +263,7 @@ def run_benchmarks(args: argparse.Namespace, device: torch.device, names: list[s
         del dsts, idx
         _free(device)
     add_speedups(rows)
+    add_limits(rows, copy["gbps"], device)
     overhead = []
     for name in overhead_names:
         row = measure_overhead(name, make_providers(device, SCALE, args.overwrite)[name], device,
@@ -243,11 +298,13 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="gradient (src) dtypes: bf16, fp16, fp32 (default: all three)")
     p.add_argument("--workloads", type=_csv, default=",".join(WORKLOADS),
                    help="gpt2 (GPT-2-124M list), llama7b (Llama-7B list, scaled), small "
-                        "(5000 x 1K tensors), flat (one buffer per --flat-numel size) "
-                        "(default: all)")
+                        "(5000 x 1K tensors), moe (20000 x 256 + 4 x 4M tensors), flat (one "
+                        "buffer per --flat-numel size: the size sweep) (default: all)")
     p.add_argument("--flat-numel", type=_counts, metavar="N[,N...]",
-                   help="flat buffer sizes, K/M/G = 2^10/2^20/2^30 (default: 1M,16M,256M on "
-                        "GPU, 1M,16M on CPU, 65539 with --quick)")
+                   help="flat buffer sizes, K/M/G = 2^10/2^20/2^30 (default: the sweep "
+                        f"{','.join(map(format_count, GPU_SWEEP))} on GPU, "
+                        f"{','.join(map(format_count, CPU_SWEEP))} on CPU, "
+                        f"{','.join(map(format_count, QUICK_SWEEP))} with --quick)")
     p.add_argument("--copy-numel", type=parse_count, metavar="N",
                    help="copy_ ceiling size (default: the largest flat size)")
     p.add_argument("--llama-layers", type=int, metavar="L",
@@ -276,10 +333,15 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="tensors in the host-overhead list (default: 300)")
     p.add_argument("--overhead-numel", type=parse_count, default=1024, metavar="N",
                    help="elements per tensor in the host-overhead list (default: 1K)")
+    p.add_argument("--limit", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU: time the limit row (a plain fused C loop, compiled now with the "
+                        "system g++) for each list and dtype (default: on)")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
-                   help="write a PNG of GB/s vs flat size next to the JSON (needs matplotlib)")
-    p.add_argument("--out", type=Path, help="JSON path (default: "
-                   "benchmarks/results/<device-slug>-<YYYY-MM-DD>[-overwrite][-quick].json)")
+                   help="draw the PNG (the lists and the size sweep against the limit) from the "
+                        "suite file, beside it (from the record, beside --out, when no row was "
+                        "appended); needs matplotlib")
+    p.add_argument("--out", type=Path, help="also write this run's record as JSON here")
+    results.add_arguments(p, "kernels")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test in seconds")
     p.add_argument("--overwrite", action="store_true",
                    help="time overwrite=True (first micro-batch of a window)")
@@ -337,8 +399,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch.de
     device = _pick_device(p, args.device)
     gpu = device.type == "cuda"
     if args.flat_numel is None:
-        args.flat_numel = ([QUICK_FLAT_NUMEL] if args.quick
-                           else [1 << 20, 16 << 20] + ([256 << 20] if gpu else []))
+        args.flat_numel = list(QUICK_SWEEP if args.quick else GPU_SWEEP if gpu else CPU_SWEEP)
     if not args.flat_numel or min(args.flat_numel) < 1:
         p.error("--flat-numel needs sizes of at least 1 element")
     if args.copy_numel is None:
@@ -369,14 +430,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.limit_loop = None
+    if device.type == "cpu" and args.limit:
+        try:
+            args.limit_loop = limit_loop.load(torch.get_num_threads())
+        except limit_loop.NoCompiler as exc:
+            _log(f"error: {exc}")
+            return 2
     torch.manual_seed(args.seed)
     env = environment(device)
     now = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or default_out_path(env["device_slug"], now.date(), args.overwrite, args.quick)
     started = time.perf_counter()
     copy, rows, overhead, ran = run_benchmarks(args, device, names)
+    target = results.results_target("kernels", args)
+    plot_path = (target.with_suffix(".png") if target is not None
+                 else args.out.with_suffix(".png") if args.out is not None else None)
+    if not args.plot:
+        plot_path = None
+    elif plot_path is not None and not can_plot():
+        _log(PLOT_SKIPPED)
+        plot_path = None
     record = {
-        "schema_version": 2, "date": now.isoformat(timespec="seconds"), "argv": argv, **env,
+        "benchmark": "kernels", "schema_version": 3, "date": now.isoformat(timespec="seconds"),
+        "argv": argv, **env,
         "config": {
             "workloads": ran, "dtypes": args.dtypes, "flat_sizes": args.flat_numel,
             "copy_numel": args.copy_numel, "llama_layers": args.llama_layers,
@@ -384,22 +460,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             "row_seconds": args.row_seconds if device.type == "cpu" else None,
             "threads": args.threads, "overwrite": args.overwrite, "quick": args.quick,
             "scale": SCALE, "seed": args.seed, "timer": args.timer,
-            "rel_tol": REL_TOL, "providers_filter": args.providers,
+            "rel_tol": REL_TOL, "providers_filter": args.providers, "note": args.note,
+            "limit": ((f"a {limit_loop.LimitLoop.note}, {args.limit_loop.threads} thread(s), "
+                       "timed in this run") if args.limit_loop else
+                      "copy_ fp32 of this run" if device.type == "cuda" else None),
         },
         "providers": {n: provider_code(n, args.overwrite) for n in names},
         "copy": copy, "rows": rows,
         "overhead": {"config": {"n_tensors": args.overhead_tensors,
                                 "numel_per_tensor": args.overhead_numel, "dtype": "bf16",
                                 "batches": 5}, "rows": overhead} if args.overhead else None,
-        "plot": None, "elapsed_s": time.perf_counter() - started,
+        "plot": plot_path.name if plot_path else None,
+        "elapsed_s": time.perf_counter() - started,
     }
-    if args.plot:
-        plot, msg = write_plot(record, out.with_suffix(".png"))
-        record["plot"] = plot.name if plot else None
+    saved = results.save("kernels", record, args)
+    if plot_path is not None:
+        plot, msg = (plot_from_suite(saved, plot_path) if saved is not None
+                     else write_plot(record, plot_path))
+        if plot is None:
+            record["plot"] = None
         _log(msg)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(json_safe(record), indent=1) + "\n")
     print(format_table(record), flush=True)
-    _log(f"wrote {out} ({record['elapsed_s']:.1f} s)")
+    print("\n" + summary.format_summary({"kernels": record}), flush=True)
+    _log((f"appended a row to {saved}" if saved else "no row appended (--quick/--no-results)")
+         + (f"; wrote {args.out}" if args.out else "") + f" ({record['elapsed_s']:.1f} s)")
     bad = [r for r in rows + overhead if r["status"] in ("MISMATCH", "error")]
     return 1 if bad else 0

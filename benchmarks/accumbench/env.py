@@ -14,6 +14,7 @@ import torch
 import accumkernels
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout (benchmarks/accumbench/../..)
+RESULTS_PATH = "benchmarks/results"
 
 
 def cpu_name() -> str:
@@ -40,6 +41,7 @@ def device_slug(device: torch.device) -> str:
 
 def git_info(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
     """(HEAD commit, tracked files modified) of the checkout holding this package, else Nones.
+    Changes under benchmarks/results/ (the suite files) do not count as modified.
 
     A copy of the tree without git (a device machine) names its commit in
     ACCUMKERNELS_GIT_COMMIT; its dirty state is then unknown (None)."""
@@ -50,7 +52,9 @@ def git_info(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
     try:
         if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
             return told, None  # installed inside some other repository
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        # the suite files take a row after every run: a changed one says nothing about the code
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                         f":(exclude){RESULTS_PATH}"))
         return git("rev-parse", "HEAD"), dirty
     except (OSError, subprocess.SubprocessError):
         return told, None

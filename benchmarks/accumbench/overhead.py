@@ -20,7 +20,7 @@ For accumkernels providers a row also times, through the library's private layer
 
 ``python -m benchmarks.accumbench.overhead`` measures the host-path record on the CPU (one
 thread, 300 one-element tensors, plus the serial/parallel crossover of the CPU kernel and the
-staging-area numbers) and writes it as JSON under benchmarks/results/.
+staging-area numbers) and appends it as a tagged row to benchmarks/results/overhead.jsonl.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 import accumkernels
-from benchmarks.accumbench.env import REPO_ROOT, environment
+from benchmarks.accumbench import results
+from benchmarks.accumbench.env import environment
 from benchmarks.accumbench.layers import call_layers, plan_layers
 from benchmarks.accumbench.measure import random_tensors, time_calls
 from benchmarks.accumbench.providers import Provider, provider_scale
@@ -299,13 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batches", type=int, default=9)
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default: benchmarks/results/host-overhead-cpu-DATE.json)")
+                   help="also write this run's record as JSON here")
+    results.add_arguments(p, "overhead")
     args = p.parse_args(argv)
-    record = host_path_record(args.tensors, args.numel, args.threads, args.batches)
-    out = args.out or (REPO_ROOT / "benchmarks" / "results"
-                       / f"host-overhead-cpu-{record['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    record = json.loads(json.dumps(host_path_record(args.tensors, args.numel, args.threads,
+                                                    args.batches), default=str))
+    saved = results.save("overhead", record, args)
     row = record["row"]
     print(f"{args.tensors} x {args.numel} elements, bf16 src, {args.threads} thread(s), "
           f"us per call (median of interleaved batches)")
@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  bucket   {k:<20} {v:8.1f}")
     print(f"  public call / foreach  {record['public_call_over_foreach']:.3f} (goal <= 1.0)")
     print(f"  plan launch / foreach  {record['plan_launch_over_foreach']:.3f} (goal <= 0.2)")
-    print(f"wrote {out}", file=sys.stderr)
+    print((f"appended a row to {saved}" if saved else "no row appended")
+          + (f"; wrote {args.out}" if args.out else ""), file=sys.stderr)
     return 0
 
 

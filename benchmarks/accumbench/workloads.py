@@ -15,9 +15,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SCALE = 1.0 / 8
 QUICK_FLAT_NUMEL = 2**16 + 3  # odd: exercises the masked tail paths
 REL_TOL = 1e-6  # the design contract: fp32 results within fp32 rounding of the float64 reference
-WORKLOADS = ("gpt2", "llama7b", "small", "flat")
+WORKLOADS = ("gpt2", "llama7b", "small", "moe", "flat")
 SMALL = (5000, 1024)  # many small tensors: per-tensor overhead dominates
 QUICK_SMALL = (1000, 65)
+# A mixture-of-experts list: many small per-expert tensors beside a few large dense ones, so that
+# per-tensor cost and bandwidth both matter in one call.
+MOE_SMALL, MOE_LARGE = (20000, 256), (4, (4096, 1024))
+QUICK_MOE_SMALL, QUICK_MOE_LARGE = (2000, 32), (4, (65539,))
 LLAMA7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "n_layer": 32}
 LLAMA7B_NUMEL = 6_738_415_616  # 291 tensors
 QUICK_LLAMA_DIM_DIVISOR = 128
@@ -145,6 +149,8 @@ def make_workload(name: str, flat_numel: int = QUICK_FLAT_NUMEL, quick: bool = F
     ``gpt2``: GPT-2-124M (148 tensors); quick: the same 148 tensors at ~0.7M elements.
     ``llama7b``: see :func:`llama_workload`; quick: all 291 tensors, dimensions / 128.
     ``small``: 5,000 tensors of 1,024 elements; quick: 1,000 of 65.
+    ``moe``: 20,000 tensors of 256 elements and 4 of 4096 x 1024; quick: 2,000 of 32 and 4 of
+    65,539.
     ``flat``: one buffer of ``flat_numel`` elements.
     """
     if name == "gpt2":
@@ -158,6 +164,11 @@ def make_workload(name: str, flat_numel: int = QUICK_FLAT_NUMEL, quick: bool = F
     if name == "small":
         count, numel = QUICK_SMALL if quick else SMALL
         return Workload("small", f"small-{count}x{format_count(numel)}", ((numel,),) * count)
+    if name == "moe":
+        (count, numel), (big, shape) = ((QUICK_MOE_SMALL, QUICK_MOE_LARGE) if quick
+                                        else (MOE_SMALL, MOE_LARGE))
+        label = f"moe-{count}x{format_count(numel)}+{big}x{format_count(math.prod(shape))}"
+        return Workload("moe", label, ((numel,),) * count + (shape,) * big)
     if name == "flat":
         return Workload("flat", f"flat-{format_count(flat_numel)}", ((flat_numel,),))
     raise ValueError(f"unknown workload {name!r} (choose from {', '.join(WORKLOADS)})")

@@ -17,7 +17,7 @@ if str(REPO_ROOT) not in sys.path:  # the package benchmarks/ sits at the reposi
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import accumbench as bench  # noqa: E402
-from benchmarks.accumbench import cli, env, overhead, report  # noqa: E402
+from benchmarks.accumbench import cli, env, limit, overhead, report, results, suites  # noqa: E402
 
 CPU = torch.device("cpu")
 ODD_SHAPES = ((0,), (1,), (3,), (4097,), (65538,), (33, 7))
@@ -55,6 +55,11 @@ def test_make_workload():
     assert (small.label, len(small.shapes), small.numel) == ("small-5000x1K", 5000, 5000 * 1024)
     quick_small = bench.make_workload("small", quick=True)
     assert len(quick_small.shapes) >= 1000  # the design contract: many tensors means >= 1000
+    moe = bench.make_workload("moe")
+    assert (moe.label, len(moe.shapes)) == ("moe-20000x256+4x4M", 20004)
+    assert moe.shapes[:20000] == ((256,),) * 20000 and moe.shapes[-1] == (4096, 1024)
+    assert moe.numel == 20000 * 256 + 4 * 4096 * 1024
+    assert len(bench.make_workload("moe", quick=True).shapes) >= 1000
     with pytest.raises(ValueError, match="unknown workload"):
         bench.make_workload("bert", 1)
 
@@ -245,6 +250,25 @@ def test_slugify_and_out_path():
     assert path.parent.parts[-2:] == ("benchmarks", "results")
 
 
+def test_dirty_ignores_the_suite_files(tmp_path):
+    """A suite file that took a row from the previous suite of make bench leaves the tree clean."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "step.jsonl").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    root = tmp_path.resolve()
+    with (tmp_path / "benchmarks" / "results" / "step.jsonl").open("a") as f:
+        f.write("{}\n")
+    commit, dirty = env.git_info(root)
+    assert len(commit) == 40 and dirty is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert env.git_info(root)[1] is True
+
+
 def test_json_safe():
     assert report.json_safe({"a": [1.0, float("nan")], "b": float("inf"), "c": "x"}) == {
         "a": [1.0, None], "b": None, "c": "x"}
@@ -274,41 +298,151 @@ def test_overhead_records_errors():
     assert row["status"] == "error" and "no" in row["error"]
 
 
-def _plot_record(rows):
+def _plot_record(rows, device="cpu"):
     return {"rows": rows, "copy": {"numel": 1 << 20, "gbps": 20.0}, "device_name": "test",
-            "torch": torch.__version__, "config": {"overwrite": False}}
+            "device": device, "torch": torch.__version__, "config": {"overwrite": False}}
+
+
+def _plot_rows():
+    rows = [{"workload": "flat", "label": f"flat-{n}", "numel": n, "gbps": g, "dtype": d,
+             "provider": p}
+            for n, g in ((1 << 20, 5.0), (16 << 20, 8.0)) for d in ("bf16", "fp32")
+            for p in ("loop_add", "accumkernels:cpu", "limit")]
+    rows += [{"workload": w, "label": w, "numel": 7, "gbps": g, "dtype": d, "provider": p}
+             for w in ("gpt2", "small") for d in ("bf16", "fp32")
+             for p, g in (("loop_add", 1.0), ("accumkernels:cpu", 3.0), ("limit", 4.0))]
+    return rows
 
 
 def test_write_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [{"workload": "flat", "numel": n, "gbps": g, "dtype": d, "provider": p}
-            for n, g in ((1 << 20, 5.0), (16 << 20, 8.0)) for d in ("bf16", "fp32")
-            for p in ("loop_add", "accumkernels:cpu")]
-    rows.append({"workload": "gpt2", "numel": 7, "gbps": 1.0, "dtype": "bf16", "provider": "x"})
-    path, msg = report.write_plot(_plot_record(rows), tmp_path / "p.png")
+    path, msg = report.write_plot(_plot_record(_plot_rows()), tmp_path / "p.png")
     assert path == tmp_path / "p.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "wrote" in msg
+    limits = report._limits(_plot_record(_plot_rows()))  # the limit rows of the same run
+    assert limits[("gpt2", "bf16")] == 4.0 and limits[(f"flat-{1 << 20}", "fp32")] == 5.0
+    gpu = report._limits(_plot_record([r for r in _plot_rows() if r["provider"] != "limit"],
+                                      device="cuda:0"))
+    assert set(gpu.values()) == {20.0}  # on a GPU: the copy_ of the run
+    assert report._limits(_plot_record([r for r in _plot_rows() if r["provider"] != "limit"])
+                          ) == {}  # a CPU record without limit rows: no line
+
+
+def test_plot_is_drawn_from_the_suite_file(tmp_path):
+    """The plot of a run is the latest row of the kernels suite file (of the device asked)."""
+    pytest.importorskip("matplotlib")
+    suite_file = tmp_path / "kernels.jsonl"
+    for device, gbps in (("cpu-a", 1.0), ("cpu-b", 2.0)):
+        record = {**_plot_record(_plot_rows()), "device_slug": device, "date": "2026-01-02",
+                  "git_commit": "c" * 40}
+        results.append_row(suite_file, results.tagged_row("kernels", record, "note"))
+    assert len(results.load_rows(suite_file)) == 2
+    path, msg = report.plot_from_suite(suite_file, tmp_path / "k.png", device="cpu-a")
+    assert path == tmp_path / "k.png" and path.stat().st_size > 0, msg
+    path, msg = report.plot_from_suite(suite_file, tmp_path / "none.png", device="cpu-z")
+    assert path is None and "no row" in msg and not (tmp_path / "none.png").exists()
+    assert suites.main(["plot", "--results", str(suite_file), "--out",
+                        str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 0
 
 
 def test_write_plot_skips_cleanly(tmp_path, monkeypatch):
     path, msg = report.write_plot(_plot_record([]), tmp_path / "p.png")
-    assert path is None and "no flat" in msg
-    rows = [{"workload": "flat", "numel": 1, "gbps": 1.0, "dtype": "bf16", "provider": "x"}]
+    assert path is None and "no rows" in msg
+    rows = [{"workload": "flat", "label": "flat-1", "numel": 1, "gbps": 1.0, "dtype": "bf16",
+             "provider": "x"}]
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     path, msg = report.write_plot(_plot_record(rows), tmp_path / "p.png")
     assert path is None and "matplotlib is not installed" in msg
     assert not (tmp_path / "p.png").exists()
 
 
-METADATA = ("schema_version", "date", "argv", "device", "device_name", "device_slug", "gpu_name",
-            "cpu_name", "torch", "triton", "cuda", "python", "git_commit", "git_dirty",
+# --- the limit row ---------------------------------------------------------------------------
+
+needs_cxx = pytest.mark.skipif(limit.compiler() is None, reason="no C++ compiler")
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("s", [bench.SCALE, 0.3])
+def test_limit_loop_computes_dst_plus_s_src(dtype, s):
+    """The C loop's dst is torch's fp32 ``dst + s * src`` exactly (no FMA: -O3 without -march)."""
+    loop = limit.load(threads=2)
+    for n in (0, 1, 7, 4099, 1 << 17):
+        dst = torch.randn(n)
+        src = torch.randn(n).to(bench.DTYPES[dtype])
+        expected = dst + s * src.float()
+        loop(dst, src, s)
+        assert torch.equal(dst, expected), (dtype, n)
+        dst.fill_(float("nan"))  # overwrite must not read dst
+        loop(dst, src, s, overwrite=True)
+        assert torch.equal(dst, s * src.float()), (dtype, n)
+    fn = loop.provider(s)
+    dst, src = [torch.randn(33)], [torch.randn(33).to(bench.DTYPES[dtype])]
+    expected = dst[0] + s * src[0].float()
+    fn(dst, src)
+    assert torch.equal(dst[0], expected) and fn.scale == s
+
+
+@needs_cxx
+def test_limit_loop_converts_every_kind_of_half():
+    bits = [0, 1, 0x3FF, 0x400, 0x3C00, 0x7BFF, 0x7C00, 0xFC00, 0x7E00, 0x8001, 0x83FF, 0xC000]
+    src = torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    dst = torch.zeros(len(bits))
+    limit.load()(dst, src, 1.0)
+    assert torch.equal(dst.isnan(), src.float().isnan())
+    ok = ~dst.isnan()
+    assert torch.equal(dst[ok], src.float()[ok])
+
+
+@needs_cxx
+def test_limit_loop_refuses_what_it_cannot_do():
+    loop = limit.load()
+    with pytest.raises(TypeError):
+        loop(torch.zeros(4, dtype=torch.float64), torch.zeros(4), 1.0)
+    with pytest.raises(ValueError):
+        loop(torch.zeros(4), torch.zeros(5), 1.0)
+    with pytest.raises(ValueError):
+        loop(torch.zeros(8)[::2], torch.zeros(4), 1.0)
+
+
+def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(limit.NoCompiler, match="needs a C\\+\\+ compiler"):
+        limit.build(tmp_path / "cache")
+    assert cli.main(["--quick", "--device", "cpu", "--workloads", "flat", "--no-overhead",
+                     "--no-plot", "--no-results"]) == 2
+    assert "needs a C++ compiler" in capsys.readouterr().err
+    assert cli.main(["--quick", "--device", "cpu", "--workloads", "flat", "--dtypes", "bf16",
+                     "--providers", "loop_add", "--no-limit", "--no-overhead", "--no-plot",
+                     "--no-results"]) == 0
+
+
+def test_add_limits():
+    def row(label, dtype, provider, gbps, status="ok"):
+        return {"label": label, "dtype": dtype, "provider": provider, "gbps": gbps,
+                "status": status}
+    rows = [row("gpt2", "bf16", "limit", 10.0), row("gpt2", "bf16", "loop_add", 2.0),
+            row("gpt2", "bf16", "accumkernels:cpu", 9.0), row("gpt2", "fp32", "limit", None,
+                                                              "error"),
+            row("gpt2", "fp32", "loop_add", 3.0)]
+    cli.add_limits(rows, copy_gbps=50.0, device=CPU)
+    assert [r["x_limit"] for r in rows] == [1.0, 0.2, 0.9, None, None]
+    assert rows[1]["limit_gbps"] == 10.0
+    cli.add_limits(rows, copy_gbps=50.0, device=torch.device("cuda"))  # GPU: the copy_
+    assert rows[2]["x_limit"] == pytest.approx(9.0 / 50.0)
+
+
+METADATA = ("benchmark", "schema_version", "date", "argv", "device", "device_name", "device_slug",
+            "gpu_name", "cpu_name", "torch", "triton", "cuda", "python", "git_commit", "git_dirty",
             "available_backends", "config", "providers", "copy", "rows", "overhead", "plot")
 MAY_REFUSE = ("foreach", "native_grad_dtype")  # torch may refuse: recorded, not converted
 
 
-def _check_rows(record: dict, workloads, dtypes, providers) -> None:
+def _check_rows(record: dict, workloads, dtypes, providers, flat_sizes=1) -> None:
     got = [(r["workload"], r["dtype"], r["provider"]) for r in record["rows"]]
-    assert sorted(got) == sorted((w, d, p) for w in workloads for d in dtypes for p in providers)
+    assert sorted(got) == sorted((w, d, p) for w in workloads for d in dtypes for p in providers
+                                 for _ in range(flat_sizes if w == "flat" else 1))
     for r in record["rows"]:
         if r["provider"] in MAY_REFUSE and r["status"] == "unsupported":
             continue
@@ -320,30 +454,44 @@ def _check_rows(record: dict, workloads, dtypes, providers) -> None:
         assert r["scale"] == (1.0 if r["provider"] == "native_grad_dtype" else bench.SCALE)
         for b in bench.BASELINES:
             assert f"speedup_vs_{b}" in r
+        assert "x_limit" in r and "limit_gbps" in r
 
 
 def test_cli_quick(tmp_path):
-    out = tmp_path / "x.json"
+    out, suite_file = tmp_path / "x.json", tmp_path / "kernels.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.accumbench", "--quick", "--device", "cpu", "--threads",
-         "1", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-        check=False)
+         "1", "--note", "a test", "--out", str(out), "--results", str(suite_file)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr
     record = json.loads(out.read_text())
     assert set(METADATA) <= set(record)
     assert record["torch_threads"] == record["config"]["threads"] == 1
-    assert record["schema_version"] == 2
+    assert record["schema_version"] == 3 and record["benchmark"] == "kernels"
     assert record["device"] == "cpu" and record["gpu_name"] is None
     assert record["torch"] == torch.__version__
     assert record["copy"]["gbps"] > 0
     providers = list(bench.make_providers(CPU))
     assert list(record["providers"]) == providers
-    _check_rows(record, ["gpt2", "llama7b", "small", "flat"], ["bf16", "fp16", "fp32"], providers)
+    sizes = record["config"]["flat_sizes"]
+    assert len(sizes) >= 2  # a size sweep, even when quick
+    _check_rows(record, ["gpt2", "llama7b", "small", "moe", "flat"], ["bf16", "fp16", "fp32"],
+                [*providers, "limit"], flat_sizes=len(sizes))
     labels = {w["label"]: w for w in record["config"]["workloads"]}
     assert labels["llama7b-dim1of128"]["n_tensors"] == 291
     assert labels["llama7b-dim1of128"]["scale"]["dim_divisor"] == 128
     literal = [r for r in record["rows"] if r["provider"] == "loop_literal"]
     assert all(r["speedup_vs_loop_literal"] == pytest.approx(1.0) for r in literal)
+    # the limit row: one per list and dtype, the list's total size, the same threads
+    for r in (r for r in record["rows"] if r["provider"] == "limit"):
+        assert r["kind"] == "limit" and r["threads"] == 1 and r["x_limit"] == pytest.approx(1.0)
+        same = [x for x in record["rows"] if (x["label"], x["dtype"]) == (r["label"], r["dtype"])]
+        assert all(x["numel"] == r["numel"] and x["limit_gbps"] == r["gbps"] for x in same)
+        assert r["n_tensors"] == same[-1]["n_tensors"]
+    assert all(r["x_limit"] == pytest.approx(r["gbps"] / r["limit_gbps"])
+               for r in record["rows"])
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("workload"))
+    assert header.split()[5:8] == ["GB/s", "x", "limit"]  # "x limit" beside GB/s
     assert "vs literal" in proc.stdout and "vs native" in proc.stdout
     assert all(p in proc.stdout for p in providers)
     assert "[1/" in proc.stderr  # progress goes to stderr
@@ -352,12 +500,21 @@ def test_cli_quick(tmp_path):
     assert [r["provider"] for r in over["rows"]] == providers
     assert all(r["host_us"] > 0 for r in over["rows"] if r["status"] == "ok")
     assert "host overhead per call: 300 tensors" in proc.stdout
+    assert "summary (" in proc.stdout and "kernels: on the gpt2-tiny list" in proc.stdout
+    # one tagged row in the suite file: the record as written to --out
+    (row,) = results.load_rows(suite_file)
+    assert row["suite"] == "kernels" and row["record"]["rows"] == record["rows"]
+    tags = row["tags"]
+    assert set(results.TAG_KEYS) <= set(tags)
+    assert (tags["device"], tags["torch"], tags["note"], tags["source"]) == (
+        record["device_slug"], torch.__version__, "a test", "measured")
+    assert tags["commit"] == record["git_commit"] and tags["date"] == record["date"]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert record["plot"] is None and "plot skipped" in proc.stderr
-    else:
-        assert record["plot"] == "x.png" and (tmp_path / "x.png").stat().st_size > 0
+    else:  # drawn from the suite file, beside it
+        assert record["plot"] == "kernels.png" and (tmp_path / "kernels.png").stat().st_size > 0
 
 
 def test_cli_overwrite_fp16_filtered(tmp_path, capsys):
@@ -375,8 +532,9 @@ def test_cli_overwrite_fp16_filtered(tmp_path, capsys):
     providers = ["loop_add"] + [p for p in bench.make_providers(CPU) if p.startswith("accum")]
     rows = record["rows"]
     assert sorted({r["label"] for r in rows}) == ["flat-1K", "flat-4097"]
-    assert len(rows) == 2 * len(providers)
+    assert len(rows) == 2 * (len(providers) + 1)  # and the limit row of each size
     assert all(r["status"] == "ok" and r["bytes"] == 6 * r["numel"] for r in rows)
+    assert [r["x_limit"] for r in rows if r["provider"] == "limit"] == [1.0, 1.0]
     assert "overwrite" in capsys.readouterr().out
 
 
