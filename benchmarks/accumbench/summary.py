@@ -37,7 +37,7 @@ def _ours(rows: list[dict], label: str, dtype: str) -> dict | None:
 
 def _vs_limit(r: dict) -> str:
     if r.get("x_limit") is not None:
-        return f"{r['x_limit']:.2f}x the memory-bandwidth limit"
+        return f"{r['x_limit']:.2f}x the same-run limit"
     if r.get("frac_copy") is not None:  # a record older than the limit row
         return f"{r['frac_copy']:.2f}x a copy_ (no limit row)"
     return "- of the limit"

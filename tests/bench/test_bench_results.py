@@ -131,7 +131,7 @@ def tiny_suites(tmp_path_factory):
 
 SUMMARY_LINES = {
     "kernels": ("kernels: on the gpt2-tiny list (148 tensors) accumkernels:cpu runs",
-                "the best naive loop", "the memory-bandwidth limit with bf16 gradients"),
+                "the best naive loop", "the same-run limit with bf16 gradients"),
     "kernels-others": ("kernels, the other lists (bf16", "small-1000x65"),
     "step": ("step: the wrapper's step is", "its floor for a bf16 model", "for an fp32 one"),
     "host": ("host (probe, 148 tiny tensors", "backward", "native"),
