@@ -27,6 +27,9 @@ TESTS = Path(__file__).resolve().parent
 _FOLDERS = [TESTS] + sorted(p for p in TESTS.rglob("*") if p.is_dir() and not any(
     part.startswith((".", "_")) for part in p.relative_to(TESTS).parts))
 _seen: dict[str, Path] = {}
+# one conftest.py, this one: the test modules import its names as ``conftest`` from any folder
+_extra = [p for p in TESTS.rglob("conftest.py") if p.parent != TESTS]
+assert not _extra, f"a conftest.py below tests/ shadows this one for `from conftest import`: {_extra}"
 for _folder in _FOLDERS:
     for _file in _folder.glob("*.py"):
         if _file.name in ("conftest.py", "__init__.py"):
@@ -154,3 +157,16 @@ def pytest_collection_finish(session):
     missing = {Path(item.fspath).name for item in session.items
                if Path(item.fspath).name in SIMD_FILES and "cpu_simd" not in item.fixturenames}
     assert not missing, f"SIMD files whose tests do not use the cpu_simd fixture: {missing}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _bench_results_elsewhere(tmp_path_factory):
+    """No test appends to the committed suite files (benchmarks/results/*.jsonl): every run, and
+    the subprocesses it starts, writes its rows under a temporary results folder instead."""
+    old = os.environ.get("ACCUMBENCH_RESULTS_DIR")
+    os.environ["ACCUMBENCH_RESULTS_DIR"] = str(tmp_path_factory.mktemp("suite-files"))
+    yield
+    if old is None:
+        os.environ.pop("ACCUMBENCH_RESULTS_DIR", None)
+    else:
+        os.environ["ACCUMBENCH_RESULTS_DIR"] = old
