@@ -7,10 +7,10 @@ bench/); shared helpers (reference.py, gpu_cases.py, _native_common.py) here at 
 
 Imports: test helpers are plain modules imported by their file name (``from _ddp_workers import
 run_ranks``, ``from reference import Reference``). This file puts tests/ and each of its folders
-(at any depth) on ``sys.path`` before any test module is imported, so a helper is found from every folder, when
-one file or folder is run alone, and in spawned rank processes (multiprocessing's spawn start
-method hands the parent's ``sys.path`` to the child, which re-imports the worker's module by
-name). The price: every module name under tests/ is unique (checked below; pytest's default
+(at any depth) on ``sys.path`` before any test module is imported, so a helper is found from
+every folder, when one file or folder is run alone, and in spawned rank processes
+(multiprocessing's spawn start method hands the parent's ``sys.path`` to the child, which
+re-imports the worker's module by name). The price: every module name under tests/ is unique (checked below; pytest's default
 import mode refuses two test files with one basename anyway).
 
 TRITON_INTERPRET must be set before triton is first imported, hence here, at collection.
