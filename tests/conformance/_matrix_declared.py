@@ -251,6 +251,13 @@ OPTIMIZERS = {
     "*.amsgrad": _SUITE_FLAG,
     "*.decoupled_weight_decay": _SUITE_FLAG,
     "*.nesterov": _SUITE_FLAG,
+    "*.centered": _SUITE_FLAG,
+    "*.line_search_fn": _SUITE_FLAG,
+    "LBFGS.max_eval": ex("LBFGS's own budget of closure calls per step: the wrapper runs the "
+                         "closure whenever LBFGS calls it", "tests/optim/test_ways_in.py",
+                         "max_eval"),
+    "Muon.*": ex("Muon's own options (adjust_lr_fn): torch's optim_db configs against native",
+                 "tests/optim/_conformance_common.py", "Muon"),
 }
 
 HOOKS = {

@@ -48,9 +48,6 @@ NOT_GRAD = "no part of the gradient path: the model's forward, buffers or struct
 
 # -- the enumerations ------------------------------------------------------------------------------
 
-FLAGS = ("foreach", "fused", "capturable", "maximize", "differentiable", "amsgrad",
-         "decoupled_weight_decay", "nesterov")
-
 
 def wrapper_members() -> set[str]:
     from accumkernels import AccumulatingOptimizer
@@ -82,6 +79,16 @@ def wrapper_options() -> set[str]:
     return out
 
 
+def constructor_flags(cls) -> list[str]:
+    """The flags of an optimizer's constructor, read from its signature (not a fixed list, so
+    that a flag a newer torch adds fails the gate until it is declared): every keyword whose
+    default is a bool or None (``foreach``, ``fused``, ``maximize``, ``centered``,
+    ``line_search_fn``...); numeric hyperparameters (lr, betas, eps) are no flags."""
+    return [k for k, p in inspect.signature(cls.__init__).parameters.items()
+            if k not in ("self", "params") and p.kind is not p.VAR_KEYWORD
+            and (p.default is None or isinstance(p.default, bool))]
+
+
 def optimizer_classes() -> set[str]:
     """Every optimizer class of the installed torch.optim, and each flag its constructor takes."""
     out = set()
@@ -91,8 +98,7 @@ def optimizer_classes() -> set[str]:
                 or cls is torch.optim.Optimizer:
             continue
         out.add(name)
-        params = inspect.signature(cls.__init__).parameters
-        out |= {f"{name}.{f}" for f in FLAGS if f in params}
+        out |= {f"{name}.{f}" for f in constructor_flags(cls)}
     return out
 
 

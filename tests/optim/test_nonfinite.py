@@ -207,6 +207,63 @@ def test_fp16_window_that_overflows_the_param_dtype_is_skipped():
         opt.step()
 
 
+@pytest.mark.parametrize("wrap", ["inner", "by-name"])
+def test_fp16_window_overflowing_at_hand_over_fires_no_step_hooks(wrap):
+    """fp16, ``master_weights=False``: a finite fp32 window that overflows fp16 when handed to
+    the optimizer is a dropped step, and a dropped step is no step: natively (GradScaler finds
+    the inf and never calls ``optimizer.step()``) no step hook runs, so an EMA or a scheduler
+    hung on them counts nothing. Checked: the wrapper's, the inner optimizer's and the global
+    step hooks, the inner state, and a healthy one-micro-batch window afterwards against the
+    native fp16 step (one fp16 gradient: the fp32 sum casts back exactly, bit for bit)."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+    big = float(torch.randint(40000, 65000, ()).item())  # x2 micro-batches: > fp16's 65504
+    x_ok = torch.randn(3, 2).half()
+
+    def train(wrapped: bool):
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1).half()
+        if not wrapped:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        elif wrap == "inner":
+            opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3,
+                                                        momentum=0.9), master_weights=False)
+        else:
+            from accumkernels.optimizers import SGD
+            opt = SGD(model.parameters(), lr=1e-3, momentum=0.9, master_weights=False)
+        inner = getattr(opt, "optimizer", opt)
+        log: list = []
+        handles = [opt.register_step_pre_hook(lambda o, a, k: log.append("pre")),
+                   opt.register_step_post_hook(lambda o, a, k: log.append("post")),
+                   register_optimizer_step_pre_hook(lambda o, a, k: log.append("global-pre")),
+                   register_optimizer_step_post_hook(lambda o, a, k: log.append("global-post"))]
+        if wrapped:  # the inner optimizer's own hook: once, for the healthy window only
+            handles.append(inner.register_step_pre_hook(lambda o, a, k: log.append("inner")))
+        try:
+            if wrapped:  # the overflowing window: dropped (natively: found by hand, no step)
+                for _ in range(2):
+                    (model(torch.ones(1, 2, dtype=torch.half)).sum() * big).backward()
+                opt.step()
+                opt.zero_grad()
+                assert opt.skipped_steps == 1
+                assert log == [] and inner.state == {}
+            model(x_ok).square().mean().backward()  # a healthy window of one micro-batch
+            opt.step()
+            opt.zero_grad()
+        finally:
+            for h in handles:
+                h.remove()
+        return model, log
+
+    (model, log), (ref, native_log) = train(True), train(False)
+    assert native_log == ["global-pre", "pre", "post", "global-post"]
+    assert [e for e in log if e != "inner"] == native_log and log.count("inner") == 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("accumulation_steps", [None, 3], ids=["N-None", "N-3"])
 def test_a_dropped_window_fires_no_step_hooks(accumulation_steps):
     """A window dropped as non-finite (``skip_step``) is no step: natively GradScaler does not

@@ -167,7 +167,7 @@ def test_inner_step_hooks_that_write_params_stand(inner):
 # -- a closure optimizer (LBFGS) gets every option with its usual meaning -----------------------
 
 def _lbfgs(ps):
-    return torch.optim.LBFGS(ps, lr=0.5, max_iter=4, history_size=5)
+    return torch.optim.LBFGS(ps, lr=0.5, max_iter=4, max_eval=6, history_size=5)
 
 
 def _closure_native(model, params, data, clip=None):
@@ -231,6 +231,48 @@ def test_lbfgs_bf16_masters_move_the_model():
         torch.testing.assert_close(q, m, rtol=0, atol=1e-6)
     _assert_same(model, ref, atol=0)
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("write", ["mul_", "copy_", "data"])
+def test_lbfgs_bf16_weights_written_between_steps_are_taken_in(write):
+    """A bf16 model under LBFGS with master weights: weights the user writes between two steps
+    are taken into the masters before the next step's closure runs (the closure evaluates, and
+    LBFGS steps from, the written point), as hand-kept fp32 masters reset from the written
+    bf16 weights do natively. A slip that takes them in only after the closure evaluates the
+    loss at the old point: the losses differ at once."""
+    model = make_model(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(2, 6)]
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ref.parameters()]
+    native = _lbfgs(masters)
+    opt = AccumulatingOptimizer(_lbfgs(model.parameters()))
+    scale = torch.rand(()).item() * 0.5 + 0.25  # a fresh write each run
+
+    def write_into(m):
+        with torch.no_grad():
+            w = next(m.parameters())
+            if write == "mul_":
+                w.mul_(scale)
+            elif write == "copy_":
+                w.copy_(torch.randn_like(w) * scale)
+            else:
+                w.data = (w.data * scale).contiguous()
+
+    for step in range(3):
+        if step:  # the user writes the bf16 weights between two steps; the masters take them
+            write_into(model)
+            with torch.no_grad():  # only the written weight's master takes the bf16 value
+                next(ref.parameters()).copy_(next(model.parameters()))
+                masters[0].copy_(next(ref.parameters()).float())
+        theirs = native.step(_closure_native(ref, masters, data))
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), masters):
+                p.copy_(m)
+        mine = opt.step(_closure_wrapped(model, data))
+        assert mine == theirs, f"step {step}: the closure ran at another point"
+    for m, q in zip(masters, opt.master_params):
+        torch.testing.assert_close(q, m, rtol=0, atol=1e-6)
+    _assert_same(model, ref, atol=0)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -447,6 +489,45 @@ def test_outside_clear_mid_window_means_zero_grad(clear, reduction):
         native.step()
         native.zero_grad()
     _assert_same(model, ref)
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("clear", ["opt", "model", "param"])
+def test_clear_between_backwards_restarts_the_window_without_n(clear, reduction, in_backward):
+    """N None: a clear between two backwards (``opt.zero_grad()``, ``model.zero_grad()``,
+    ``p.grad = None``) starts a new window, as natively (``.grad`` holds only what came after
+    it); ``mean`` divides by the micro-batches after the clear (here 1, then 2), not by every
+    backward since the last step. Judge: the native loop, the mean taken by hand."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    native = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                reduction=reduction, accumulate_in_backward=in_backward)
+
+    def clear_it(o, m):
+        if clear == "opt":
+            o.zero_grad()
+        elif clear == "model":
+            m.zero_grad()
+        else:
+            for p in m.parameters():
+                p.grad = None
+
+    for after_clear in (1, 2):  # one backward thrown away, then 1 (2) backwards kept
+        data = batches(1 + after_clear, 5)
+        scale = 1 / after_clear if reduction == "mean" else 1.0
+        for i, (x, y) in enumerate(data):
+            mse(model, x, y).backward()
+            (mse(ref, x, y) * scale).backward()
+            if i == 0:
+                clear_it(opt, model)
+                clear_it(native, ref)
+        opt.step()
+        native.step()
+        _assert_same(model, ref, atol=0, what=f"{after_clear} after the clear: ")
+        opt.zero_grad()
+        native.zero_grad()
 
 
 # -- a loop that never clears .grad ---------------------------------------------------------------
