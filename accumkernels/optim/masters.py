@@ -18,6 +18,7 @@ inner optimizer's own pass over the masters.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -41,6 +42,8 @@ class MasterWeights:
         self.masters: dict[int, torch.nn.Parameter] = {}
         self.model_params: list[torch.Tensor] = []  # in registration order, those with masters
         self._targets = None  # (masters count, params, targets) of the last targets() call
+        self._load_hooks = None  # the inner optimizer's load_state_dict hooks (handles)
+        self._loading = None  # the state dict an inner.load_state_dict() is loading
 
     def retarget(self, params: list[torch.Tensor]) -> None:
         """fp32 copies of the low-precision ``params``. The inner optimizer keeps the model
@@ -52,6 +55,8 @@ class MasterWeights:
         wanted = [p for p in params if p.dtype in LOW_PRECISION and id(p) not in self.masters]
         if wanted:
             self.optimizer._accumkernels_masters = True
+            if self._load_hooks is None:
+                self._load_hooks = _keep_loaded_state_fp32(self)
         state = self.optimizer.state
         for p in wanted:  # in the layout of p's .grad (the window's view), which it pairs with
             master = torch.empty_strided(p.shape, grad_strides(p), dtype=torch.float32,
@@ -215,3 +220,38 @@ class MasterWeights:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a checkpoint tool may hand masters over as DTensors)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _keep_loaded_state_fp32(masters: MasterWeights) -> tuple:
+    """Hooks on the inner optimizer's ``load_state_dict``: a state loaded into it directly
+    (``opt.optimizer.load_state_dict(sd)`` after wrapping) is cast by torch to its groups'
+    params, the model's bf16/fp16 ones, and would step the fp32 masters rounded (or, for state
+    of another shape or a scalar, in a dtype the step refuses). After the load, every floating
+    state value (``step`` aside) of a param with a master is the saved value in fp32, as a
+    load into an optimizer over hand-kept fp32 masters gives. (The wrapper's own load runs
+    inside :meth:`MasterWeights.swapped`: its groups hold the masters, nothing to do.)"""
+    me = weakref.ref(masters)
+
+    def before(optimizer, state_dict):
+        owner = me()
+        if owner is not None:
+            owner._loading = state_dict
+
+    def after(optimizer):
+        owner = me()
+        if owner is None or owner._loading is None:
+            return
+        saved, owner._loading = owner._loading, None
+        ids = [k for g in saved["param_groups"] for k in g["params"]]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for k, p in zip(ids, params):
+            master, entry = owner.masters.get(id(p)), optimizer.state.get(p)
+            if master is None or entry is None or k not in saved["state"]:
+                continue
+            for name, v in saved["state"][k].items():
+                if name != "step" and name in entry and torch.is_tensor(v) \
+                        and v.is_floating_point():
+                    entry[name] = v.to(device=master.device, dtype=master.dtype, copy=True)
+
+    return (masters.optimizer.register_load_state_dict_pre_hook(before),
+            masters.optimizer.register_load_state_dict_post_hook(after))

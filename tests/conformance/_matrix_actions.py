@@ -51,6 +51,55 @@ def install_model_hooks(ctx, model) -> None:
             None if g is None else g * 0.5 for g in go))
 
 
+class MatrixRaise(RuntimeError):
+    """grads=raise: the exception a backward raises half-way (the loop catches it)."""
+
+
+def hooked_param(model):
+    """The param the after-wrapping hooks (and grads=raise) sit on: the first trainable one
+    when first asked (its AccumulateGrad runs late in the backward: others have theirs)."""
+    if "_matrix_p0" not in model.__dict__:  # (not a registered param of the model's)
+        model.__dict__["_matrix_p0"] = next(p for p in model.parameters() if p.requires_grad)
+    return model.__dict__["_matrix_p0"]
+
+
+def install_after_hooks(ctx, model, native: bool) -> None:
+    """What the loop registers after wrapping (once per model): hooks=tensor-hook-after /
+    post-hook-after, and grads=raise's raising hook (armed by :func:`raising_backward`). The
+    native side runs post-accumulate hooks in the oracle (autograd.grad runs none)."""
+    p0 = hooked_param(model)
+    if model.__dict__.get("_matrix_after") == id(p0):  # (a deep copy of the model has none)
+        return
+    model.__dict__["_matrix_after"], model._matrix_armed = id(p0), False
+    if ctx.hooks == "tensor-hook-after":
+        p0.register_hook(lambda g: g * 0.5)
+    elif ctx.hooks == "post-hook-after" and not native:
+        def halve(p):
+            if p.grad is not None:  # (natively None only before any gradient of the window)
+                p.grad.mul_(0.5)
+        p0.register_post_accumulate_grad_hook(halve)
+    if ctx.grads == "raise":
+        def bomb(g):
+            if model._matrix_armed:
+                raise MatrixRaise("a hook raised half-way through the backward")
+            return g
+        p0.register_hook(bomb)
+
+
+def raising_backward(model, loss) -> None:
+    """grads=raise: the backward with the raising hook armed; the raise caught, as a loop
+    that logs and goes on does."""
+    model._matrix_armed = True
+    try:
+        loss.backward()
+    except MatrixRaise:
+        pass
+    else:
+        raise AssertionError("grads=raise: the backward did not raise")
+    finally:
+        model._matrix_armed = False
+
+
 def install_inner_hooks(ctx, inner) -> None:
     """hooks=inner-pre-hook / inner-post-hook on an inner (or native) optimizer: its own step
     hooks write its params (with masters, the masters)."""

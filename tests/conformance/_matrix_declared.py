@@ -261,12 +261,9 @@ OPTIMIZERS = {
 }
 
 HOOKS = {
-    "Tensor.register_hook": ax("single.hooks=tensor-hook"),
-    "Tensor.register_post_accumulate_grad_hook": ex(
-        "a user's post-accumulate hook sees p.grad as natively (the running window) and may "
-        "change it; the optimizer-in-backward pattern steps per param inside backward, with no "
-        "window to accumulate", "tests/optim/intake/test_user_hooks.py",
-        "register_post_accumulate_grad_hook"),
+    "Tensor.register_hook": ax("single.hooks=tensor-hook", "single.hooks=tensor-hook-after",
+                               "single.grads=raise"),
+    "Tensor.register_post_accumulate_grad_hook": ax("single.hooks=post-hook-after"),
     "inner.register_step_pre_hook": ax("single.hooks=inner-pre-hook"),
     "inner.register_step_post_hook": ax("single.hooks=inner-post-hook"),
     "inner.register_state_dict_pre_hook": ex("state-dict hooks of the inner optimizer run as "

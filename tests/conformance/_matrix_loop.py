@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from _matrix_axes import ACCUMS, DTYPES, NONFINITES, OPTIMIZERS, REDUCTIONS
 from _matrix_models import extra_used, loss_fn
-from _matrix_actions import (Frozen, clear, frozen_micro, initial_params, install_inner_hooks,
-                             install_model_hooks, last_layer, shrink)
+from _matrix_actions import (Frozen, clear, frozen_micro, hooked_param, initial_params,
+                             install_after_hooks, install_inner_hooks, install_model_hooks,
+                             last_layer, raising_backward, shrink)
 from _matrix_oracle import CLIP, CLIP_LOOSE, Reference
 
 from accumkernels import AccumulatingOptimizer
@@ -72,6 +73,7 @@ class Ctx:
             opt = AccumulatingOptimizer(inner, **options, model=model)
         if self.hooks == "wrapper-post-hook":
             opt.register_step_post_hook(lambda o, args, kwargs: shrink(model.parameters()))
+        install_after_hooks(self, model, native=False)
         return opt
 
 
@@ -104,6 +106,9 @@ def wrapper_grads(ctx: Ctx, opt, model, loss, mode: str) -> None:
     params = trainable(model)
     if mode == "backward":
         loss.backward()
+        return
+    if mode == "raise":
+        raising_backward(model, loss)
         return
     half = len(params) // 2
     if mode == "wp-mixed":  # one block: a backward for some params, assigned grads for the rest
@@ -138,6 +143,15 @@ def wrapper_grads(ctx: Ctx, opt, model, loss, mode: str) -> None:
 def reference_grads(model, loss, mode: str) -> dict:
     """The same micro-batch natively: param id -> gradient ('wp-raise': the first half only)."""
     params = trainable(model)
+    if mode == "raise":  # a native backward into fresh .grad: what it added before the raise
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        raising_backward(model, loss)
+        out = {id(p): p.grad for p in params if p.grad is not None}
+        for p, g in zip(params, saved):
+            p.grad = g
+        return out
     gs = torch.autograd.grad(loss, params, allow_unused=True)
     if mode == "wp-raise":
         gs = list(gs[:len(params) // 2]) + [None] * (len(params) - len(params) // 2)
@@ -168,9 +182,14 @@ def reference_micro(ctx: Ctx, ref: Reference, w, i, x, y, weight) -> None:
     if not ctx.in_backward and mode.startswith("wp"):
         ref.flush()
     grads = reference_grads(ref.model, loss, mode)
+    # (a param frozen between the forward and the backward: natively its post-accumulate hooks
+    # run all the same, on .grad as it was)
+    hooked_frozen = ctx.loop == "freeze-between" and not hooked_param(ref.model).requires_grad
     if frozen is not None:
         frozen.__exit__()
     ref.add(grads, weight if ctx.reduction.name == "weighted" else None)
+    if hooked_frozen and mode == "backward":
+        ref.post_hook_without_grad()
     if not ctx.in_backward and (i == 0 or i + 1 == ctx.accum.n or ctx.accum.step_every_micro
                                 or ctx.loop == "model-zero_grad-every"):
         ref.flush()  # (a step() mid-window moves them too; so does a clear with N given)

@@ -12,7 +12,8 @@ master before the next step); without masters the fp32 sum is cast to the param 
 from __future__ import annotations
 
 import torch
-from _matrix_actions import initial_params, install_inner_hooks, install_model_hooks, shrink
+from _matrix_actions import (hooked_param, initial_params, install_after_hooks,
+                             install_inner_hooks, install_model_hooks, shrink)
 from torch import nn
 
 LOWP = (torch.bfloat16, torch.float16)
@@ -40,6 +41,9 @@ class Reference:
         self.ctx, self.model = ctx, model
         self.params = list(model.parameters())
         install_model_hooks(ctx, model)
+        install_after_hooks(ctx, model, native=True)
+        # hooks=post-hook-after: natively it halves .grad after each AccumulateGrad of p0
+        self.post_halved = id(hooked_param(model)) if ctx.hooks == "post-hook-after" else None
         built = initial_params(ctx, model) if inner is None else self.params
         self.masters, self.casts = {}, {}
         # (a param frozen when the optimizer was built trains in its dtype if unfrozen)
@@ -90,6 +94,12 @@ class Reference:
             return
         self._add(grads, weight)
 
+    def post_hook_without_grad(self) -> None:
+        """hooks=post-hook-after on a param frozen since the forward: AccumulateGrad added
+        nothing, its post-accumulate hook halved ``.grad`` as it was (if any)."""
+        if self.post_halved in self.acc:
+            self.acc[self.post_halved].mul_(0.5)
+
     def flush(self) -> None:
         """accumulate_in_backward=False: what ``.grad`` holds joins the window as one move."""
         if not self.pending_n:
@@ -114,6 +124,8 @@ class Reference:
             return  # dropped (it still counts towards N: the loop counts)
         for k, g in grads.items():
             self._acc(k, g)
+            if k == self.post_halved:
+                self.acc[k].mul_(0.5)
         self.kept += 1
         if weight is not None:
             self.weights.append(weight)

@@ -387,3 +387,50 @@ def test_post_accumulate_hook_registered_after_wrapping_raises(hooks, n):
             t.opt.zero_grad()
 
     _twins(loop, opt_kw={"accumulation_steps": n, "bucket_size_mb": SMALL_BUCKET})
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("n", [None, 3], ids=["N=None", "N=3"])
+def test_post_accumulate_hook_on_a_param_frozen_after_the_forward(hooks, when, n):
+    """A param frozen between the forward and the backward (GAN code): natively AccumulateGrad
+    adds nothing, yet the param's post-accumulate hooks still run and see ``.grad`` as it was
+    (the running sum); a hook halving it in place halves it then too. The wrapper's pre-hook had
+    hidden the window: its hooks show it again to the user's (registered before wrapping or
+    after) and what they write counts."""
+    data = batches(6, 4)
+    twins = []
+    for wrap in (False, True):
+        t = Twin(wrap, opt_kw={"accumulation_steps": n},
+                 before_wrap=_recording_then_halving if when == "before" else None)
+        if when == "after":
+            _recording_then_halving(t.model)
+        first = t.params[0]
+        for w in range(2):
+            for k, (x, y) in enumerate(data[3 * w:3 * w + 3]):
+                loss = mse(t.model, x, y)
+                if k == 1:
+                    first.requires_grad_(False)
+                loss.backward()
+                first.requires_grad_(True)
+                t.look(f"window {w}, after backward {k}")
+            t.step()
+            t.opt.zero_grad()
+        twins.append((t, t.model._seen))
+    (native, seen_native), (ours, seen_ours) = twins
+    assert [k for k, _ in seen_ours] == [k for k, _ in seen_native]
+    for (k, a), (_, b) in zip(seen_ours, seen_native):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), \
+            f"param {k}: the hook saw {a} where native shows {b}"
+    assert_same(ours, native)
+
+
+def _recording_then_halving(model):
+    """On every param, a post-accumulate hook that records ``.grad`` and halves it in place."""
+    model._seen = []
+
+    def hook(p, k):
+        model._seen.append((k, None if p.grad is None else p.grad.detach().clone()))
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+    for k, p in enumerate(model.parameters()):
+        p.register_post_accumulate_grad_hook(lambda p, k=k: hook(p, k))

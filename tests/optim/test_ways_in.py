@@ -530,6 +530,39 @@ def test_clear_between_backwards_restarts_the_window_without_n(clear, reduction,
         native.zero_grad()
 
 
+@pytest.mark.parametrize("clear", ["model", "param"])
+def test_outside_clear_after_a_mixed_weight_pass_keeps_it(clear):
+    """``accumulate_in_backward=False``, N given: a weight pass whose block runs a backward for
+    some params and assigns the others' gradients, then ``model.zero_grad()`` (or
+    ``p.grad = None``) before the window is full: the clear means ``opt.zero_grad()``, so the
+    whole block's gradients stay in the window, the assigned ones too (the backward inside the
+    block had counted the micro-batch, and only its own gradients were noted). Judge: the
+    native loop without the clear."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    native = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                accumulation_steps=3, accumulate_in_backward=False)
+    params, rparams = list(model.parameters()), list(ref.parameters())
+    half = len(params) // 2
+    for x, y in batches(3, 5):
+        loss = mse(model, x, y)
+        with opt.weight_pass():
+            loss.backward(inputs=params[:half], retain_graph=True)
+            for p, g in zip(params[half:], torch.autograd.grad(loss, params[half:])):
+                p.grad = g if p.grad is None else p.grad + g
+        if clear == "model":
+            model.zero_grad()
+        else:
+            for p in params:
+                p.grad = None
+        mse(ref, x, y).backward()
+    opt.step()
+    native.step()
+    _assert_same(model, ref, atol=0)
+    assert opt.micro_steps == 0 and all(p.grad is not None for p in params)
+
+
 # -- a loop that never clears .grad ---------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [None, 2])

@@ -106,5 +106,7 @@ def weight_pass(intake):
         elif any(p.grad is not None for p in intake.params):
             if not intake.counted:
                 intake.unmoved_backward()  # in .grad until accumulate()/step()/the N-th
+            else:  # a backward in the block counted it; what was assigned after it is noted
+                intake.left.remember()  # too (a clear from outside keeps it, with N)
         else:
             intake.expose()

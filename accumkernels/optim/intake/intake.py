@@ -241,7 +241,9 @@ class Intake:
         """The post-accumulate-grad hook: p's gradient of this backward is in ``.grad``; take it
         out, hold it, and move its bucket once the bucket is complete."""
         if not p.requires_grad:  # frozen since the forward: autograd stored nothing (native
-            return  # .grad stays as it was), so this is no gradient of a micro-batch
+            if i in self.hidden and p.grad is self.views[i]:  # .grad stays as it was), so this
+                p.grad = None  # is no gradient of a micro-batch; the view front_grad showed the
+            return  # user's hooks is hidden again until the end of the backward shows it
         if i in self.front.early:  # moved by front_grad; the user's hooks ran on the window
             self.front.after_user_hooks(i)
             return

@@ -33,8 +33,13 @@ class Unmoved:
         if intake.window.complete_with(self.count):
             self.move()  # the N-th backward: .grad shows the complete window
         else:
-            self.grads = {i: p.grad for i, (p, view) in enumerate(
-                zip(intake.params, intake.views)) if p.grad is not None and p.grad is not view}
+            self.remember()
+
+    def remember(self) -> None:
+        """Note every unmoved ``.grad`` now (a clear from outside is then seen: cleared())."""
+        intake = self.intake
+        self.grads = {i: p.grad for i, (p, view) in enumerate(
+            zip(intake.params, intake.views)) if p.grad is not None and p.grad is not view}
 
     def any_cleared(self) -> bool:
         params = self.intake.params

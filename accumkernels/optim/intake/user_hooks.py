@@ -35,7 +35,11 @@ class FrontMoves:
         ``accumulate_in_backward=False`` they see ``.grad`` as it is.)"""
         intake = self.intake
         p = intake.params[i]
-        if not p.requires_grad or not intake.move_in_backward or intake.in_weight_pass:
+        if not p.requires_grad:  # frozen since the forward: autograd added nothing, and
+            if p.grad is None and intake.window.holds(p) and not intake.in_weight_pass:
+                p.grad = intake.views[i]  # natively .grad is as it was: the window (hidden by
+            return  # the pre-hook or by a clear that kept it; after_grad hides it again)
+        if not intake.move_in_backward or intake.in_weight_pass:
             return
         intake.arrived(count=False)
         g = p.grad
