@@ -1,4 +1,5 @@
-"""What the wrapper refuses at construction, and taking params over from another wrapper."""
+"""What the wrapper refuses at construction, and taking params over from another wrapper: the
+other one is retired and refuses every further use (:func:`refuse_when_taken_over`)."""
 
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def take_over(params: list[torch.Tensor], new_owner: object) -> None:
         slot = get_slot(p)  # (None for a gone or retired owner)
         if slot is not None and slot.owner is not new_owner:
             taken.setdefault(id(slot.owner), (slot, []))[1].append(p)
-    for slot, theirs in taken.values():
+    for slot, theirs in taken.values():  # (all warned first: a warning raised changes nothing)
         warn_user(TAKEOVER.format(count=len(theirs)))
+    for slot, theirs in taken.values():
         slot.owner.remove_hooks()
         slot.retire(TAKEN_OVER.replace("{count}", str(len(theirs))))
 
