@@ -212,6 +212,17 @@ def record_scheduler_step(optimizer, *, at_least: bool = False) -> None:
         patched = getattr(patched, "__wrapped__", None)
 
 
+def optimizer_records() -> frozenset[str]:
+    """What torch's optimizer machinery sets on an optimizer instance besides its state: the hook
+    registries, the step profiler's name (``_patch_step_function``), the capturable check's flag,
+    the records of an LR scheduler's patch of ``step`` (``_opt_called``, ``_step_count``).
+    ``Optimizer.__getstate__`` carries none of them: a copy starts without (the patched ``step``
+    itself is an attribute that shadows the class's method)."""
+    return frozenset(_HOOK_REGISTRIES.values()) | {
+        "_zero_grad_profile_name", "_warned_capturable_if_run_uncaptured", "_opt_called",
+        "_step_count"}
+
+
 def initial_state_hook(optimizer: torch.optim.Optimizer, seen) -> bool:
     """Call ``seen(group)`` after each ``_init_group(group, ...)`` of ``optimizer`` (an instance
     the caller owns: the hook is set on it), where every torch.optim class with lazy state creates

@@ -34,6 +34,7 @@ from accumkernels._util import finite_positive, known_keywords
 from accumkernels.checks import check_model
 from accumkernels.optim import protocol
 from accumkernels.optim.cadence import Cadence
+from accumkernels.optim.checkpoint import copies
 from accumkernels.optim.config import make_config
 from accumkernels.optim.intake.backward import remove_handles, weight_pass
 from accumkernels.optim.intake.guard import follow_move
@@ -49,6 +50,7 @@ from accumkernels.optim.parts import (
     resolve_backends,
 )
 from accumkernels.optim.refusals import check_inner, refuse_sparse_modules, take_over
+from accumkernels.optim.refusals import refuse_when_taken_over
 from accumkernels.optim.scaling import LossScaler
 from accumkernels.optim.sync.ddp import ddp_sync_for
 from accumkernels.optim.sync.ddp_hook import register as register_ddp_hook
@@ -79,6 +81,11 @@ class _Events:
         self.moved()
 
 
+@refuse_when_taken_over(  # a wrapper whose params another took over refuses these (refusals.py)
+    lambda face: getattr(face.__dict__.get("_parts"), "taken_over", None),
+    "step", "flush", "accumulate", "reset_window", "zero_grad", "add_weight", "add_param_group",
+    "weight_pass", "scale_loss", "state_dict", "window_template", "load_state_dict",
+    "join_stage_norm", "micro_steps", "sync_step", "master_params", "__reduce__")
 class AccumulatingOptimizer(torch.optim.Optimizer):
     """Wraps a constructed optimizer; accumulates micro-batch gradients in fp32, then steps it.
 
@@ -177,8 +184,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if old is not None and parts.sync.stage_norm is not None:
             parts.sync.stage_norm.replace(old, self._step)
         weakref.finalize(self, remove_handles, self._intake.handles)  # hooks go with the wrapper
-        attach_slots(self, self._intake, params, self._parts.nonfinite.per_microbatch,
-                     _sync_for_ddp)
+        attach_slots(self, self._intake, params, self._parts, _sync_for_ddp)
 
     # -- sharing the inner optimizer ----------------------------------------------------------
     # what state/param_groups show: the inner optimizer's, with the keys a checkpoint of the
@@ -365,16 +371,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         protocol.load_with_hooks(self, state_dict, lambda sd: self._layout.checkpoint.restore(
             self._parts, self._intake, self._step, sd))
 
-    def __reduce__(self):
-        """``copy.deepcopy`` and pickle: a new wrapper over a copy of the inner optimizer (and,
-        as for any torch optimizer, of the params), with the window and masters restored."""
-        if self._parts.sync.active or self._parts.sync.ddp_group is not None:
-            raise TypeError("an AccumulatingOptimizer that reduces across ranks (process_group "
-                            "or DDP) cannot be pickled or deep-copied; save its state_dict()")
-        self._intake.take_in()
-        kwargs = {f: getattr(self.config, f) for f in self.config.__dataclass_fields__}
-        sd = self._layout.checkpoint.assemble(self._parts, self._intake)
-        return _rebuild, (self._layout.checkpoint.native_copy(self._parts), kwargs, sd)
+    def __reduce__(self):  # -- copies (checkpoint/copies.py)
+        """``copy.deepcopy``, pickle, ``torch.save``: this class over a copy of the inner optimizer
+        (and of the params), the window and masters restored, the instance's own attributes
+        (a subclass's) kept; refused across ranks. ``copy.copy``: refused."""
+        return copies.reduce(self, AccumulatingOptimizer)
+
+    __getstate__, __setstate__, __copy__ = copies.getstate, copies.setstate, copies.refuse_copy
 
     def remove_hooks(self) -> None:
         """Detach from the model's params (the wrapper stops accumulating during backward)."""
@@ -388,8 +391,3 @@ def _sync_for_ddp(face: AccumulatingOptimizer, group):
                               lambda ps: ref()._intake.flush(ps), parts.nonfinite.found_inf)
     return parts.sync
 
-
-def _rebuild(inner: torch.optim.Optimizer, kwargs: dict, sd: dict) -> AccumulatingOptimizer:
-    opt = AccumulatingOptimizer(inner, **kwargs)
-    opt.load_state_dict(sd)
-    return opt

@@ -51,6 +51,8 @@ class Parts:
     window: Window | None = None
     sync: Sync | None = None
     show_window: bool = False  # state_dict() holds every view, also at a window boundary
+    # why the face refuses to be used, once another wrapper took over its params (refusals.py)
+    taken_over: str | None = None
 
 
 class Layout(Protocol):
@@ -145,23 +147,35 @@ def build_rooms(parts: Parts, layout: Layout, params: list[torch.Tensor], events
 
 
 class Slot:
-    """The wrapper's side of the slot protocol (accumkernels.slot); holds its owner weakly."""
+    """The wrapper's side of the slot protocol (accumkernels.slot); holds its owner weakly. An
+    owner whose params another wrapper took over is retired: its slots answer as a gone
+    owner's (no owner: fused kernels and DDP's comm hook take the native path)."""
 
-    def __init__(self, owner, intake: Intake, per_microbatch: bool, sync_for_ddp: Callable):
+    def __init__(self, owner, intake: Intake, parts: Parts, sync_for_ddp: Callable):
         self._owner = weakref.ref(owner)
         self._intake = weakref.ref(intake)
-        self._per_microbatch = per_microbatch
+        self._parts = weakref.ref(parts)
+        self._per_microbatch = parts.nonfinite.per_microbatch
         self._sync_for_ddp = sync_for_ddp  # (owner, group) -> its sync: holds no owner
 
     def ddp_sync(self, group) -> Sync | None:
         """The owner's sync for DDP's ``group`` (met at its first sync backward), or None once
-        the owner is gone: the DDP comm hook's way to the window."""
-        owner = self._owner()
+        the owner is gone (or retired): the DDP comm hook's way to the window."""
+        owner = self.owner
         return None if owner is None else self._sync_for_ddp(owner, group)
 
     @property
     def owner(self):
-        return self._owner()
+        """The wrapper; None once it is gone or retired."""
+        parts = self._parts()
+        return None if parts is None or parts.taken_over is not None else self._owner()
+
+    def retire(self, why: str) -> None:
+        """Another wrapper took over (some of) the owner's params: the owner refuses any further
+        use, raising ``why`` (its face's guard), and its slots answer as a gone owner's."""
+        parts = self._parts()
+        if parts is not None:
+            parts.taken_over = why
 
     def check_fusable(self) -> None:
         if self._owner() is not None and self._per_microbatch:
@@ -172,6 +186,9 @@ class Slot:
         return _dead_slot, ()
 
     def claim(self, p: torch.Tensor):
+        parts = self._parts()
+        if parts is not None and parts.taken_over is not None:
+            raise RuntimeError(parts.taken_over.format(call="accumkernels_slot.claim"))
         intake = self._intake() if self._owner() is not None else None
         if intake is None:
             raise RuntimeError("the AccumulatingOptimizer that managed this param is gone")
@@ -180,17 +197,17 @@ class Slot:
 
 def _dead_slot() -> Slot:
     slot = Slot.__new__(Slot)
-    slot._owner = slot._intake = lambda: None
+    slot._owner = slot._intake = slot._parts = lambda: None
     slot._sync_for_ddp = None
     slot._per_microbatch = False
     return slot
 
 
-def attach_slots(owner, intake: Intake, params: list[torch.Tensor], per_microbatch: bool,
+def attach_slots(owner, intake: Intake, params: list[torch.Tensor], parts: Parts,
                  sync_for_ddp: Callable):
     """Every managed param carries the slot fused weight-gradient kernels (and DDP's comm hook)
     reach the window through."""
-    slot = Slot(owner, intake, per_microbatch, sync_for_ddp)
+    slot = Slot(owner, intake, parts, sync_for_ddp)
     for p in params:
         setattr(p, SLOT_ATTR, slot)
 

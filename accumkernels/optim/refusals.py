@@ -1,11 +1,14 @@
-"""What the wrapper refuses at construction, and taking params over from another wrapper."""
+"""What the wrapper refuses at construction, and taking params over from another wrapper: the
+other one is retired and refuses every further use (:func:`refuse_when_taken_over`)."""
 
 from __future__ import annotations
 
-import warnings
+import functools
+from collections.abc import Callable
 
 import torch
 
+from accumkernels._util import warn_user
 from accumkernels.slot import get_slot
 
 
@@ -56,13 +59,55 @@ def refuse_sparse_modules(model: torch.nn.Module) -> None:
                              "use sparse=False, or train without AccumulatingOptimizer")
 
 
+TAKEOVER = (
+    "AccumulatingOptimizer: {count} of these params were managed by another live "
+    "AccumulatingOptimizer; this one takes over: the other is detached (its hooks removed) and "
+    "refuses any further use (RuntimeError), so that neither counts the other's backwards. "
+    "Drop the old wrapper first (del opt) to build a new one silently, or copy.deepcopy(opt) "
+    "for a second wrapper over copies of the params")
+TAKEN_OVER = (
+    "{call}: this AccumulatingOptimizer was taken over: another AccumulatingOptimizer was built "
+    "over {count} of its params and now counts their backwards (this one's hooks were removed "
+    "then). It refuses any further use instead of stepping with the wrong counts: use the "
+    "wrapper built last, or build a new one over the params; for a second wrapper beside this "
+    "one, copy.deepcopy(opt) (with the model) gives one over copies of the params")
+
+
 def take_over(params: list[torch.Tensor], new_owner: object) -> None:
-    """A live wrapper already managing these params stops, with a warning."""
+    """Every other live wrapper managing any of these params is retired, with a warning: its
+    hooks are removed and from then on it refuses to be used (:func:`refuse_when_taken_over`),
+    before anything it holds changes. A wrapper that was dropped is gone: nothing to say."""
+    taken: dict[int, tuple[object, list[torch.Tensor]]] = {}
     for p in params:
-        slot = get_slot(p)
-        if slot is not None and slot.owner is not None and slot.owner is not new_owner:
-            warnings.warn("AccumulatingOptimizer: these params were managed by another live "
-                          "wrapper; it is detached (its hooks removed) and this one takes over",
-                          stacklevel=3)
-            slot.owner.remove_hooks()
-            return
+        slot = get_slot(p)  # (None for a gone or retired owner)
+        if slot is not None and slot.owner is not new_owner:
+            taken.setdefault(id(slot.owner), (slot, []))[1].append(p)
+    for slot, theirs in taken.values():  # (all warned first: a warning raised changes nothing)
+        warn_user(TAKEOVER.format(count=len(theirs)))
+    for slot, theirs in taken.values():
+        slot.owner.remove_hooks()
+        slot.retire(TAKEN_OVER.replace("{count}", str(len(theirs))))
+
+
+def refuse_when_taken_over(why: Callable[[object], str | None], *names: str):
+    """Class decorator: each of ``names`` (a method, or a property's getter) raises RuntimeError
+    when ``why(instance)`` (TAKEN_OVER with ``{call}`` to fill) is not None, before it does
+    anything (a closure or hook it would run included)."""
+    def guarded(fn, name: str):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            message = why(self)
+            if message is not None:
+                raise RuntimeError(message.format(call=f"{type(self).__name__}.{name}"))
+            return fn(self, *args, **kwargs)
+        return call
+
+    def decorate(cls: type) -> type:
+        for name in names:
+            attr = cls.__dict__[name]
+            if isinstance(attr, property):
+                setattr(cls, name, attr.getter(guarded(attr.fget, name)))
+            else:
+                setattr(cls, name, guarded(attr, name))
+        return cls
+    return decorate

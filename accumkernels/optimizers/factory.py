@@ -8,8 +8,8 @@ and call it with the params. The class made here has the inner optimizer's own p
 followed by the wrapper's options as keyword-only parameters, annotated, so that a YAML file or
 a command line can set either and a misspelt one is refused by name. An instance *is* an
 ``AccumulatingOptimizer`` (and so a ``torch.optim.Optimizer``): state dicts, pickling and
-``deepcopy`` (which give back the same class), the integrations and the frameworks' checks see
-the wrapper they know.
+``deepcopy`` (which give back the same class, or the subclass, with the instance's attributes:
+the wrapper's own copies), the integrations and the frameworks' checks see the wrapper they know.
 """
 
 from __future__ import annotations
@@ -163,7 +163,6 @@ def _make(inner_cls: type, name: str, module: str) -> type:
 
     namespace = {
         "__init__": __init__,
-        "__reduce__": _reduce,
         "__module__": module,
         "__qualname__": name,
         "__doc__": (f"``AccumulatingOptimizer`` over ``{inner_cls.__module__}."
@@ -180,18 +179,6 @@ def _unknown_message(cls_name: str, keyword: str, known: set[str]) -> str:
             f"it takes the inner "
             f"optimizer's arguments and the wrapper options "
             f"{sorted(k for k in known if k in _OPTION_TYPES or k.startswith(COLLISION_PREFIX))}")
-
-
-def _reduce(self):
-    """Pickle and ``deepcopy`` as the wrapper does, then give the copy this class back."""
-    rebuild, args = AccumulatingOptimizer.__reduce__(self)
-    return _rebuild_as, (type(self), rebuild, args)
-
-
-def _rebuild_as(cls: type, rebuild, args: tuple) -> AccumulatingOptimizer:
-    opt = rebuild(*args)
-    opt.__class__ = cls  # the by-name class adds no state of its own
-    return opt
 
 
 class MissingPackageError(AttributeError):

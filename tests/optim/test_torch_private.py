@@ -102,6 +102,26 @@ def test_scheduler_patch_is_recognised():
     assert recorded, "record_scheduler_step: the LR scheduler's step patch changed its markers"
 
 
+def test_optimizer_records_are_what_torch_puts_on_an_optimizer_instance():
+    """Everything torch's machinery adds to a native optimizer's ``__dict__`` (its __init__, an
+    LR scheduler's patch and its records, step, zero_grad, the step hooks) besides the state
+    ``Optimizer.__getstate__`` carries and the patched ``step``: what a copy of the wrapper
+    leaves behind (optim/checkpoint/copies.py)."""
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    opt.register_step_pre_hook(lambda *a: None)
+    p.grad = torch.randn(3)
+    opt.step()
+    opt.zero_grad()
+    scheduler.step()
+    added = set(opt.__dict__) - {"defaults", "state", "param_groups", "step"}
+    assert added <= tp.optimizer_records(), \
+        f"optimizer_records: torch now also sets {sorted(added - tp.optimizer_records())}"
+    assert added & {"_opt_called", "_step_count"}, \
+        "optimizer_records: the scheduler's record changed its name"
+
+
 def test_fsdp2_private_pieces():
     pytest.importorskip("torch.distributed.fsdp")
     base = tp.fsdp2_reduce_scatter_base()
