@@ -180,14 +180,18 @@ def test_plan_refuses_wrapper_subclasses(reader):
 
 
 _DTENSOR_WORKER = textwrap.dedent("""
-    import json, sys, torch, torch.distributed as dist
+    import datetime, gc, json, os, sys, torch, torch.distributed as dist
     import accumkernels
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1,
-                            timeout=__import__("datetime").timedelta(seconds=60))
-    out = {}
-    try:
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    def cases():
+        # (a function: the mesh and the DTensors, which keep the process group alive, are
+        # gone when it returns)
+        out = {}
         mesh = init_device_mesh("cpu", (1,))
         for placement in (Replicate(), Shard(0)):
             for where in ("src", "dst"):
@@ -207,20 +211,36 @@ _DTENSOR_WORKER = textwrap.dedent("""
                 same = same and torch.equal(dt.to_local(), local_before)
                 out[f"{type(placement).__name__}-{where}"] = [msg, same]
         dist.barrier()
+        return out
+
+    torch.set_num_threads(1)  # (no intra-op pool: the count below is gloo's threads)
+    start = threads()
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        out = cases()
     finally:
+        gc.collect()
         dist.destroy_process_group()
-    print(json.dumps(out))
+    # the group was the last owner of gloo's threads: they were joined here, while the
+    # interpreter is whole (left running, they are torn down in its finalization, where a
+    # thread that still holds a collective's tensors aborts the process)
+    print(json.dumps({"cases": out, "threads_left": threads() - start}))
 """)
 
 
 def test_dtensor_on_a_one_rank_mesh_is_refused(tmp_path):
     """DTensor (Replicate and Shard(0)) as src or dst: a TypeError naming the index and
-    .to_local(), not a false overlap or a null pointer; nothing written."""
+    .to_local(), not a false overlap or a null pointer; nothing written. The worker's process
+    group is destroyed with nothing else holding it, so gloo's threads end before the
+    interpreter does (/proc/self/task: Linux)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", _DTENSOR_WORKER, str(tmp_path / "store")],
                           capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["threads_left"] == 0, "gloo's threads outlived destroy_process_group()"
+    results = report["cases"]
     assert len(results) == 4
     for case, (msg, same) in results.items():
         where = case.split("-")[1]
