@@ -193,6 +193,9 @@ def _start_reader() -> tuple[bool, str]:
 
 
 READER, READER_NOTE = _start_reader()
+# Which write checks the reader answers itself (requires_grad, inference, bump), not through
+# Python attributes: a subset of those three names, empty without the reader.
+OWN_WRITE_CHECKS = frozenset(READER_NOTE.partition("(own ")[2].rstrip(")").split(",")) - {""}
 
 def _stream(device: torch.device) -> int:
     try:
