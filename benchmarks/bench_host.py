@@ -1,16 +1,22 @@
 """Host time the wrapper adds per micro-batch and per step, against native PyTorch.
 
     python -m benchmarks.accumbench host [--device cpu|cuda] [--reps 15] [--micro-batches 4]
-        [--model probe|gpt2-tiny|both] [--clock wall|thread] [--threads 1] [--quick] [--out PATH]
+        [--model probe|gpt2-tiny|moe-probe|both|all] [--clock wall|thread] [--threads 1] [--quick]
+        [--out PATH]
 
-Models of 148 tiny param tensors, where the kernels cost next to nothing and what is left is host
-work per param (hooks, checks, launches, Python):
+Models of many tiny param tensors, where the kernels cost next to nothing and what is left is
+host work per param (hooks, checks, launches, Python):
 
 * ``probe``: 148 params of GPT-2's shapes scaled tiny (4 to 64 elements each), loss
   ``sum(p * x_p)`` with fixed random ``x_p``: every param used once, the harshest case for a
   per-param cost;
 * ``gpt2-tiny``: a real GPT-2 module (``bench_train.make_model``: 12 layers, n_embd 16, 2 heads,
-  vocab 64, sequence 16; 148 tensors), cross-entropy on fixed random tokens.
+  vocab 64, sequence 16; 148 tensors), cross-entropy on fixed random tokens;
+* ``moe-probe``: a mixture-of-experts-shaped probe, 2,058 params (an embedding, then per layer a
+  norm, a router and 256 experts of two 32-element matrices), the same ``sum(p * x_p)`` loss:
+  the per-param cost of a model with thousands of small tensors.
+
+``--model all`` (the default) runs the three, ``both`` the first two.
 
 Rows, each with its own copy of the model (the same initial values) and its own optimizer, all
 on the same data; AdamW(lr=1e-3, fused=True) everywhere:
@@ -82,7 +88,8 @@ LR = 1e-3
 MAX_NORM = 1.0
 ATOL = 1e-6  # the "close" check: torch.allclose(rtol=0, atol=ATOL) after one window
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MODELS = ("probe", "gpt2-tiny")
+MODELS = ("probe", "gpt2-tiny", "moe-probe")
+MOE_PROBE = {"layers": 4, "experts": 256, "width": 8, "expert_width": 4, "vocab": 64}
 TINY = {"n_layer": 12, "n_embd": 16, "n_head": 2, "vocab": 64, "seq": 16}
 TINY_BATCH = 2
 GPT2_124M = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 1024}
@@ -142,14 +149,26 @@ class Workload:
     loss: Callable[[torch.nn.Module, str, int], torch.Tensor]
 
 
-def probe_workload(device: torch.device, seed: int) -> Workload:
-    """148 params of GPT-2's shapes scaled tiny (4..64 elements); loss ``sum(p * x_p)``."""
-    shapes = [s for _, s in gpt2_shapes(vocab_size=16, n_embd=4, n_positions=4)]
+def moe_probe_shapes(layers: int, experts: int, width: int, expert_width: int,
+                     vocab: int) -> list[tuple[int, ...]]:
+    """An embedding, then per layer a norm, a router and ``experts`` pairs of small matrices."""
+    shapes = [(vocab, width)]
+    for _ in range(layers):
+        shapes += [(width,), (experts, width)]
+        shapes += [(expert_width, width), (width, expert_width)] * experts
+    return shapes + [(width,)]
+
+
+def probe_workload(device: torch.device, seed: int, name: str = "probe") -> Workload:
+    """``probe``: 148 params of GPT-2's shapes scaled tiny (4..64 elements); ``moe-probe``: the
+    MoE-shaped list (:data:`MOE_PROBE`); loss ``sum(p * x_p)``."""
+    shapes = (moe_probe_shapes(**MOE_PROBE) if name == "moe-probe" else
+              [s for _, s in gpt2_shapes(vocab_size=16, n_embd=4, n_positions=4)])
     gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=gen).to(device) for s in shapes]
     xs = [torch.randn(s, generator=gen).to(device) for s in shapes]
     data = {name: [x.to(dtype) for x in xs] for name, dtype in DTYPES.items()}
-    return Workload("probe", lambda dtype: Probe(init, DTYPES[dtype]),
+    return Workload(name, lambda dtype: Probe(init, DTYPES[dtype]),
                     lambda model, dtype, j: model(data[dtype]))
 
 
@@ -397,7 +416,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.accumbench host",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", choices=(*MODELS, "both"), default="both")
+    p.add_argument("--model", choices=(*MODELS, "both", "all"), default="all",
+                   help="one model, both (probe and gpt2-tiny) or all (default: the three)")
     p.add_argument("--micro-batches", type=int, default=4, help="backwards per step (4)")
     p.add_argument("--reps", type=int, help="timed repetitions (windows) per row: 15, 3 --quick")
     p.add_argument("--warmup", type=int, help="untimed repetitions first: 2, 1 --quick")
@@ -434,10 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    models = MODELS if args.model == "both" else (args.model,)
+    models = {"all": MODELS, "both": MODELS[:2]}.get(args.model, (args.model,))
     tables = {}
     for name in models:
-        workload = (probe_workload(device, args.seed) if name == "probe" else
+        workload = (probe_workload(device, args.seed, name) if name != "gpt2-tiny" else
                     gpt2_workload(name, TINY, TINY_BATCH, args.micro_batches, device, args.seed))
         tables[name] = run_table(workload, args, device)
     cp = measure_critical_path(args, device)

@@ -315,8 +315,49 @@ uint32_t run_serial(const AccumulateArgs& args, const Kernels& k, float scale, i
   return bad;
 }
 
-// The list cut into chunks over `num_threads` threads; with norm_sq, each chunk's partial sum
-// is kept and the partials of each tensor are added in chunk order afterwards.
+// The chunk table of a call and each thread's share of it, kept from call to call (per calling
+// thread: calls may come from several Python threads at once without the GIL), so that a call
+// allocates nothing once the tables have grown to its list.
+struct ChunkTable {
+  std::vector<Chunk> chunks;
+  std::vector<size_t> bounds;  // thread t runs chunks [bounds[t], bounds[t + 1])
+  std::vector<float> part;     // norm_sq: each chunk's partial sum
+};
+
+ChunkTable& chunk_table() {
+  thread_local ChunkTable table;
+  return table;
+}
+
+// The list cut into chunks of at most `chunk` elements, in list order, and split into
+// `num_threads` contiguous runs of about equal elements (not equal chunk counts: a list of
+// many tiny tensors and a few large ones would leave one thread most of the bytes). A run ends
+// where a chunk's midpoint passes the thread's even share, so shares differ by at most one
+// chunk's elements.
+void build_chunks(const AccumulateArgs& args, int64_t chunk, int64_t total, int num_threads,
+                  ChunkTable& table) {
+  const TensorPair* t = args.tensors;
+  std::vector<Chunk>& chunks = table.chunks;
+  std::vector<size_t>& bounds = table.bounds;
+  chunks.clear();
+  bounds.assign(static_cast<size_t>(num_threads) + 1, 0);
+  int next = 1;  // the next thread whose run has not started yet
+  int64_t done = 0;
+  for (size_t i = 0; i < args.num_tensors; ++i)
+    for (int64_t s = 0; s < t[i].numel; s += chunk) {
+      const int64_t len = std::min(chunk, t[i].numel - s);
+      while (next < num_threads && done + len / 2 >= total / num_threads * next +
+                                                       total % num_threads * next / num_threads)
+        bounds[static_cast<size_t>(next++)] = chunks.size();
+      chunks.push_back({static_cast<uint32_t>(i), s});
+      done += len;
+    }
+  for (; next <= num_threads; ++next) bounds[static_cast<size_t>(next)] = chunks.size();
+}
+
+// The list cut into chunks over `num_threads` threads, each streaming its contiguous run of the
+// table (which the hardware prefetchers like); with norm_sq, each chunk's partial sum is kept
+// and the partials of each tensor are added in chunk order afterwards.
 uint32_t run_parallel(const AccumulateArgs& args, const Kernels& k, float scale, int ow,
                       int check, int num_threads, int64_t total) {
   const TensorPair* t = args.tensors;
@@ -325,13 +366,14 @@ uint32_t run_parallel(const AccumulateArgs& args, const Kernels& k, float scale,
   const int64_t even = (total + int64_t{num_threads} * kChunksPerThread - 1) /
                        (int64_t{num_threads} * kChunksPerThread);
   const int64_t chunk = std::clamp((even + 63) / 64 * 64, kMinChunkElems, kChunkElems);
-  std::vector<Chunk> chunks;
-  chunks.reserve(static_cast<size_t>(total / chunk + args.num_tensors));
-  for (size_t i = 0; i < args.num_tensors; ++i)
-    for (int64_t s = 0; s < t[i].numel; s += chunk) chunks.push_back({static_cast<uint32_t>(i), s});
-  num_threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(num_threads), chunks.size()));
+  num_threads = static_cast<int>(std::min<int64_t>(num_threads, (total + chunk - 1) / chunk));
+  ChunkTable& table = chunk_table();
+  build_chunks(args, chunk, total, num_threads, table);
+  const std::vector<Chunk>& chunks = table.chunks;
+  const std::vector<size_t>& bounds = table.bounds;
   const int norm = args.norm_sq != nullptr ? 1 : 0;
-  std::vector<float> part(norm ? chunks.size() : 0);
+  if (norm && table.part.size() < chunks.size()) table.part.resize(chunks.size());
+  float* part = table.part.data();
   auto run_chunk = [&](size_t c) -> uint32_t {
     const TensorPair& p = t[chunks[c].tensor];
     const int64_t start = chunks[c].start;
@@ -339,20 +381,28 @@ uint32_t run_parallel(const AccumulateArgs& args, const Kernels& k, float scale,
                                            std::min(chunk, p.numel - start), scale,
                                            norm ? &part[c] : nullptr);
   };
-  const int64_t n = static_cast<int64_t>(chunks.size());
+  // Run r of the table (empty runs do nothing).
+  auto run_share = [&](int r) -> uint32_t {
+    uint32_t b = 0;
+    for (size_t c = bounds[static_cast<size_t>(r)]; c < bounds[static_cast<size_t>(r) + 1]; ++c)
+      b |= run_chunk(c);
+    return b;
+  };
   uint32_t bad = 0;
 #if defined(_OPENMP)
-  // Static schedule: each thread streams one contiguous run of the list, which the hardware
-  // prefetchers like; chunks are equal-sized except per-tensor tails, so balance is good.
-#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : bad)
-  for (int64_t c = 0; c < n; ++c) bad |= run_chunk(static_cast<size_t>(c));
+#pragma omp parallel num_threads(num_threads) reduction(| : bad)
+  {
+    // The runtime may give fewer threads than asked for: then each takes several runs.
+    const int team = omp_get_num_threads();
+    for (int r = omp_get_thread_num(); r < num_threads; r += team) bad |= run_share(r);
+  }
 #else
-  std::atomic<int64_t> next{0};
+  std::atomic<int> next{0};
   std::atomic<uint32_t> shared_bad{0};
   auto worker = [&] {
     uint32_t b = 0;
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;)
-      b |= run_chunk(static_cast<size_t>(c));
+    for (int r; (r = next.fetch_add(1, std::memory_order_relaxed)) < num_threads;)
+      b |= run_share(r);
     shared_bad.fetch_or(b, std::memory_order_relaxed);
   };
   std::vector<std::thread> pool;

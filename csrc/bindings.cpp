@@ -223,6 +223,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("samples"), py::arg("raw_keysets"), py::arg("neg_mask"),
       "Read each tensor's neg bit (`neg_mask` of its DispatchKeySet) at the TensorImpl offset "
       "where every sample holds its raw key set (0: none found).");
+  m.def(
+      "enable_fast_writes",
+      [](py::handle samples, py::handle inference, py::handle requires_grad,
+         uint64_t inference_mask) {
+        return ak::torch_api_enable_writes(samples.ptr(), inference.ptr(), requires_grad.ptr(),
+                                           inference_mask);
+      },
+      py::arg("samples"), py::arg("inference"), py::arg("requires_grad"),
+      py::arg("inference_mask"),
+      "Read requires_grad and inference-ness, and bump version counters, without Python "
+      "attributes, each only if it agrees with torch's answers (`inference`, `requires_grad`: "
+      "one bool per sample); returns what was switched on, comma-separated.");
   m.def("torch_api_ready", &ak::torch_api_ready, "Whether the tensor reader is on.");
   m.def(
       "lists_plain",

@@ -98,12 +98,16 @@ inline bool overlaps(uintptr_t a0, uintptr_t a1, uintptr_t b0, uintptr_t b1) {
 py::object find_overlap(std::vector<Span>& dst, std::vector<Span>& src, std::vector<Span>& all);
 
 // What torch's in-place ops refuse (by `flags`): nullptr, "grad", "inference" or "slow".
-const char* refuse_write(PyObject* t, int flags);
+// `impl`: t's TensorImpl when the caller has it (else found here).
+const char* refuse_write(PyObject* t, int flags, const void* impl = nullptr);
 // The failure for a refusal of dst (`name` "dst") or found_inf; `name` "": `r` is the code.
 py::object refusal(const char* r, const char* name, int64_t i);
 
 py::list copy_list(py::handle seq);  // a new list (the caller may change its own)
 void bump_versions(py::handle tensors);  // torch._C._increment_version(tensors)
+// The same for the tensors of `items` (a Python sequence's item array), one by one through the
+// reader's bump when it is on (no Python call), else through bump_versions(seq).
+void bump_items(const Items& items);
 
 // A call's optional scale and found_inf tensors (1-element float32 on the call's device), and its
 // optional norm_sq (a contiguous float32 vector on that device).

@@ -269,7 +269,7 @@ py::object Plan::run_once(py::handle keys, py::handle src_seq, const CallOptions
       Py_INCREF(t);
       PyTuple_SET_ITEM(written.ptr(), static_cast<Py_ssize_t>(k), t);
     }
-    bump_versions(written);
+    bump_items(Items(written));
   }
   bump_outputs(o, sc);
   run_kernel(pairs, o, sc);

@@ -31,9 +31,13 @@ py::object failure(const char* code, int64_t i, int64_t j) {
 // ---- overlap -----------------------------------------------------------------------------------
 
 namespace {
-bool span_less(const Span& a, const Span& b) {
-  return a.begin != b.begin ? a.begin < b.begin : (a.is_dst && !b.is_dst);
-}
+// A function object (not a function pointer), so that the sort inlines it.
+struct SpanLess {
+  bool operator()(const Span& a, const Span& b) const {
+    return a.begin != b.begin ? a.begin < b.begin : (a.is_dst && !b.is_dst);
+  }
+};
+constexpr SpanLess span_less{};
 
 }  // namespace
 
@@ -41,8 +45,13 @@ bool span_less(const Span& a, const Span& b) {
 // memory as float32 (dst[i] += s * dst[i] is elementwise, like torch's a.add_(a)). One sweep in
 // address order; the two lists are usually sorted already (then no sort at all).
 py::object find_overlap(std::vector<Span>& dst, std::vector<Span>& src, std::vector<Span>& all) {
-  for (std::vector<Span>* v : {&dst, &src})
-    if (!std::is_sorted(v->begin(), v->end(), span_less)) std::sort(v->begin(), v->end(), span_less);
+  for (std::vector<Span>* v : {&dst, &src}) {
+    if (std::is_sorted(v->begin(), v->end(), span_less)) continue;
+    // Descending (tensors allocated in the reverse of list order, as backward makes grads):
+    // one reversal. Ties cannot matter: within one list every span has the same kind.
+    if (std::is_sorted(v->rbegin(), v->rend(), span_less)) std::reverse(v->begin(), v->end());
+    else std::sort(v->begin(), v->end(), span_less);
+  }
   all.resize(dst.size() + src.size());
   std::merge(dst.begin(), dst.end(), src.begin(), src.end(), all.begin(), span_less);
   const Span none{0, 0, -1, true, false};
@@ -90,13 +99,18 @@ int attr_true(PyObject* t, PyObject* name) {
 // (torch raises for leaves and views of leaves, and records history otherwise, which this op
 // cannot), and writing an inference tensor outside inference mode. Returns nullptr, "grad",
 // "inference" or "slow".
-const char* refuse_write(PyObject* t, int flags) {
+const char* refuse_write(PyObject* t, int flags, const void* impl) {
+  if (impl == nullptr && (flags & (kCheckAutograd | kCheckInference))) impl = tensor_impl_of(t);
   if (flags & kCheckAutograd) {
-    const int rg = attr_true(t, g_str_requires_grad);
+    int rg = impl_requires_grad(impl);  // -1: ask Python
+    if (rg < 0) rg = attr_true(t, g_str_requires_grad);
     if (rg < 0) return "slow";
     if (rg) return "grad";
   }
   if (flags & kCheckInference) {
+    const int inference = impl_is_inference(impl);
+    if (inference == 1) return "inference";
+    if (inference == 0) return nullptr;
     // `_version` raises for inference tensors (they have no counter), and costs half of
     // is_inference(); confirm on the rare failure.
     PyObject* v = PyObject_GetAttr(t, g_str_version);
@@ -107,9 +121,9 @@ const char* refuse_write(PyObject* t, int flags) {
         PyErr_Clear();
         return "slow";
       }
-      const bool inference = r == Py_True;
+      const bool inference_now = r == Py_True;
       Py_DECREF(r);
-      return inference ? "inference" : "slow";
+      return inference_now ? "inference" : "slow";
     }
     Py_DECREF(v);
   }
@@ -161,6 +175,24 @@ void bump_versions(py::handle tensors) {
   PyObject* r = PyObject_CallOneArg(g_increment_version, tensors.ptr());
   if (r == nullptr) throw py::error_already_set();
   Py_DECREF(r);
+}
+
+void bump_items(const Items& items) {
+  if (!fast_bump_ready()) {
+    bump_versions(items.seq());
+    return;
+  }
+  const Py_ssize_t n = items.size();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    void* impl = tensor_impl_of(items[i]);
+    if (impl == nullptr) {  // (read before: cannot happen) torch's own path, for the rest too
+      py::list rest;
+      for (Py_ssize_t j = i; j < n; ++j) rest.append(py::handle(items[j]));
+      bump_versions(rest);
+      return;
+    }
+    impl_bump_version(impl);
+  }
 }
 
 // ---- scale and found_inf ---------------------------------------------------------------------
@@ -271,12 +303,19 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
   std::vector<Span>& dspans = scratch->dst;
   std::vector<Span>& sspans = scratch->src;
   const bool norm = wants_norm(o);
+  const bool refusals = (o.flags & (kCheckAutograd | kCheckInference)) != 0;
+  Py_ssize_t refused = -1;  // the first dst torch would not write (reported after the rest)
+  const char* refused_why = nullptr;
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!read_meta(dst[i], d) || !read_meta(src[i], x)) return failure("slow");
     if (d.dtype != kFloat32 || x.dtype < 0 || !same_sizes(d, x) || !dev.holds(d) ||
         !dev.holds(x) || !d.contiguous || !x.contiguous || d.neg || x.neg ||
         (d.numel > 0 && (d.data == 0 || x.data == 0)))
       return failure("pair", i);
+    if (refusals && refused < 0) {
+      refused_why = refuse_write(dst[i], o.flags, d.impl);
+      if (refused_why != nullptr) refused = i;
+    }
     const auto idx = static_cast<int32_t>(i);
     if (d.numel == 0) {
       if (norm) {  // its norm slot is written (0): the kernel sees the empty pair
@@ -320,12 +359,11 @@ py::object accumulate_tensors(py::handle dst_seq, py::handle src_seq, const Call
     }
   }
 
-  if (o.flags & (kCheckAutograd | kCheckInference)) {
-    for (Py_ssize_t i = 0; i < n; ++i)
-      if (const char* r = refuse_write(dst[i], o.flags)) return refusal(r, "dst", i);
+  if (refusals) {
+    if (refused >= 0) return refusal(refused_why, "dst", refused);
     if (const char* f = refuse_outputs(o, sc)) return refusal(f, "", -1);
   }
-  bump_versions(dst.seq());
+  bump_items(dst);
   bump_outputs(o, sc);
   run_kernel(pairs, o, sc);
   return py::none();

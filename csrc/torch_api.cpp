@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "accumulate.h"
@@ -36,6 +38,8 @@ struct Shim {
   int32_t layout_strided = -1;
   int32_t device_cpu = -1;
   int32_t device_cuda = -1;
+  void* requires_grad = nullptr;  // optional exports (see torch_api_enable_writes)
+  void* bump_version = nullptr;
 };
 
 Shim g_shim;
@@ -46,6 +50,19 @@ PyObject* g_cdata = nullptr;               // the `_cdata` getter of torch.Tenso
 Py_ssize_t g_impl_offset = 0;              // where the TensorImpl pointer sits (0: use g_cdata)
 Py_ssize_t g_keyset_offset = 0;  // where the TensorImpl's DispatchKeySet sits (0: unknown)
 uint64_t g_neg_mask = 0;         // its Negative bit
+
+// The write checks' fast paths (torch_api_enable_writes): the exported functions, looked up with
+// the shim, and whether each agreed with torch on the samples.
+using RequiresGradFn = bool (*)(const void* impl);  // c10::TensorImpl::requires_grad() const
+using BumpFn = void (*)(const void* tensor);        // torch::autograd::impl::bump_version(Tensor&)
+RequiresGradFn g_requires_grad = nullptr;
+BumpFn g_bump = nullptr;
+bool g_requires_grad_on = false, g_bump_on = false, g_inference_on = false;
+uint64_t g_inference_mask = 0;  // ADInplaceOrView and Autograd: a normal tensor has them
+
+void writes_off() {
+  g_requires_grad_on = g_bump_on = g_inference_on = false;
+}
 
 // The TensorImpl of an exact torch.Tensor/Parameter `obj`, or nullptr (no Python error left set).
 void* tensor_impl(PyObject* obj) {
@@ -94,6 +111,10 @@ bool load_shim(const std::string& library, Shim& s, std::string* why) {
                   load(lib, strided, "aoti_torch_layout_strided", why) &&
                   load(lib, cpu, "aoti_torch_device_type_cpu", why) &&
                   load(lib, cuda, "aoti_torch_device_type_cuda", why);
+  // Optional (the write checks' fast paths): missing ones leave those checks to Python.
+  s.requires_grad = reinterpret_cast<void*>(dlsym(lib, "_ZNK3c1010TensorImpl13requires_gradEv"));
+  s.bump_version =
+      reinterpret_cast<void*>(dlsym(lib, "_ZN5torch8autograd4impl12bump_versionERKN2at6TensorE"));
   // The handle stays open on purpose: the functions must outlive this call (and the library is
   // torch's own, loaded for the life of the process anyway).
   if (!ok) return false;
@@ -143,11 +164,17 @@ bool torch_api_init(PyObject* tensor_type, PyObject* parameter_type, const std::
   g_parameter_type = reinterpret_cast<PyTypeObject*>(parameter_type);
   g_cdata = cdata;
   g_shim = shim;
+  writes_off();
+  g_requires_grad = reinterpret_cast<RequiresGradFn>(shim.requires_grad);
+  g_bump = reinterpret_cast<BumpFn>(shim.bump_version);
   g_ready = true;
   return true;
 }
 
-void torch_api_disable() { g_ready = false; }
+void torch_api_disable() {
+  g_ready = false;
+  writes_off();
+}
 
 Py_ssize_t torch_api_find_impl_offset(PyObject* samples) {
   g_impl_offset = 0;
@@ -273,6 +300,7 @@ bool read_meta(PyObject* obj, TensorMeta& m) {
     return false;
   m.sizes = sizes;
   m.data = reinterpret_cast<uintptr_t>(data);
+  m.impl = impl;
   m.neg = false;
   if (g_keyset_offset > 0) {
     uint64_t keys;
@@ -284,6 +312,98 @@ bool read_meta(PyObject* obj, TensorMeta& m) {
             : dtype == s.dtype_code[kFloat16]  ? kFloat16
                                                : -1;
   return true;
+}
+
+// ---- the write checks without Python attributes -------------------------------------------
+
+void* tensor_impl_of(PyObject* obj) {
+  if (!g_ready) return nullptr;
+  PyTypeObject* type = Py_TYPE(obj);
+  if (type != g_tensor_type && type != g_parameter_type) return nullptr;
+  return tensor_impl(obj);
+}
+
+int impl_requires_grad(const void* impl) {
+  if (!g_requires_grad_on || impl == nullptr) return -1;
+  return g_requires_grad(impl) ? 1 : 0;
+}
+
+int impl_is_inference(const void* impl) {
+  if (!g_inference_on || g_keyset_offset <= 0 || impl == nullptr) return -1;
+  uint64_t keys;
+  std::memcpy(&keys, static_cast<const char*>(impl) + g_keyset_offset, sizeof keys);
+  return (keys & g_inference_mask) == 0 ? 1 : 0;
+}
+
+bool fast_bump_ready() { return g_bump_on; }
+
+bool impl_bump_version(void* impl) {
+  if (!g_bump_on || impl == nullptr) return false;
+  void* slot = impl;  // an at::Tensor is one TensorImpl pointer (borrowed: no refcount change)
+  g_bump(&slot);
+  return true;
+}
+
+namespace {
+// `obj._version` as a number, or -1 (error cleared).
+long long version_of(PyObject* obj) {
+  PyObject* v = PyObject_GetAttrString(obj, "_version");
+  if (v == nullptr) {
+    PyErr_Clear();
+    return -1;
+  }
+  const long long r = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  if (r == -1 && PyErr_Occurred()) PyErr_Clear();
+  return r;
+}
+
+// Whether `list[i]` is True; -1 if it is not a bool.
+int bool_at(PyObject* list, Py_ssize_t i) {
+  if (!PyList_Check(list) || i >= PyList_GET_SIZE(list)) return -1;
+  PyObject* v = PyList_GET_ITEM(list, i);
+  return v == Py_True ? 1 : v == Py_False ? 0 : -1;
+}
+}  // namespace
+
+std::string torch_api_enable_writes(PyObject* samples, PyObject* inference,
+                                    PyObject* requires_grad, uint64_t inference_mask) {
+  g_requires_grad_on = g_bump_on = g_inference_on = false;
+  if (!g_ready || !PyList_Check(samples) || PyList_GET_SIZE(samples) < 2) return {};
+  const Py_ssize_t n = PyList_GET_SIZE(samples);
+  bool rg_ok = g_requires_grad != nullptr, inf_ok = g_keyset_offset > 0 && inference_mask != 0;
+  bool bump_ok = false, saw_inference = false, saw_normal = false, saw_rg = false;
+  g_inference_mask = inference_mask;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* t = PyList_GET_ITEM(samples, i);
+    void* impl = tensor_impl_of(t);
+    const int want_inf = bool_at(inference, i), want_rg = bool_at(requires_grad, i);
+    if (impl == nullptr || want_inf < 0 || want_rg < 0) return {};
+    if (rg_ok) rg_ok = g_requires_grad(impl) == (want_rg == 1);
+    if (inf_ok) {
+      g_inference_on = true;  // (asked once here, confirmed only if every sample agrees)
+      inf_ok = impl_is_inference(impl) == want_inf;
+      g_inference_on = false;
+    }
+    saw_inference |= want_inf == 1;
+    saw_normal |= want_inf == 0;
+    saw_rg |= want_rg == 1;
+    if (g_bump != nullptr && !bump_ok && want_inf == 0 && want_rg == 0) {
+      const long long before = version_of(t);
+      void* slot = impl;
+      g_bump(&slot);  // a sample: bumping its counter is harmless
+      bump_ok = before >= 0 && version_of(t) == before + 1;
+      if (!bump_ok) return {};  // bumped something else than torch's counter: nothing is used
+    }
+  }
+  g_requires_grad_on = rg_ok && saw_rg;
+  g_inference_on = inf_ok && saw_inference && saw_normal;
+  g_bump_on = bump_ok;
+  std::string on;
+  for (auto [flag, name] : {std::pair<bool, const char*>{g_requires_grad_on, "requires_grad"},
+                            {g_inference_on, "inference"}, {g_bump_on, "bump"}})
+    if (flag) on += (on.empty() ? "" : ",") + std::string(name);
+  return on;
 }
 
 }  // namespace accumkernels

@@ -29,6 +29,7 @@ struct TensorMeta {
   int32_t device_index;
   bool contiguous;
   bool neg;              // the neg bit is set (e.g. x.conj().imag): memory holds -value
+  void* impl;            // its TensorImpl (valid while the tensor lives)
 
   int64_t elem_size() const { return dtype == 0 ? 4 : 2; }  // for the three supported dtypes
   uintptr_t end() const { return data + static_cast<uintptr_t>(numel * elem_size()); }
@@ -68,6 +69,28 @@ bool read_meta(PyObject* obj, TensorMeta& m);
 // Only the data address of an exact torch.Tensor/Parameter (one shim call): what a LaunchPlan
 // compares with the address it captured, at every launch. False when it cannot be read.
 bool read_data_ptr(PyObject* obj, uintptr_t& data);
+
+// ---- the write checks without Python attributes (optional) ----------------------------------
+//
+// torch's in-place rules ask two facts of a tensor, `requires_grad` and `is_inference()`, and an
+// in-place op bumps its version counter. Through Python each is an attribute call (~30-60 ns);
+// these read them from the TensorImpl directly: requires_grad and the version bump through the
+// functions libtorch exports for them (c10::TensorImpl::requires_grad,
+// torch::autograd::impl::bump_version), inference-ness from the key set (no ADInplaceOrView
+// and no Autograd key: torch's own definition) read where the neg bit is. Each is switched on
+// by torch_api_enable_writes only after it agreed with torch on samples; until then (or when a
+// symbol is missing) the answers are -1 / false and callers ask Python.
+int impl_requires_grad(const void* impl);  // 1, 0, or -1 (unknown)
+int impl_is_inference(const void* impl);   // 1, 0, or -1 (unknown)
+bool impl_bump_version(void* impl);        // false: not on (nothing done)
+bool fast_bump_ready();
+// The TensorImpl of an exact torch.Tensor/Parameter, or nullptr.
+void* tensor_impl_of(PyObject* obj);
+// `samples`: tensors; `inference`, `requires_grad`: what torch says of each (lists of bools);
+// `inference_mask`: the key-set bits a normal tensor has and an inference tensor lacks. Returns
+// which parts were switched on ("requires_grad", "inference", "bump", comma-separated).
+std::string torch_api_enable_writes(PyObject* samples, PyObject* inference,
+                                    PyObject* requires_grad, uint64_t inference_mask);
 
 // What a list of `lists_plain` holds (see list_meta.cpp).
 enum ListKind : long { kListFp32 = 0, kListLow = 1, kListStep = 2 };

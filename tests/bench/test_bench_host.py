@@ -244,10 +244,20 @@ def test_probe_has_148_tiny_params():
     assert all(4 <= p.numel() <= 64 for p in params)
 
 
+def test_moe_probe_has_thousands_of_tiny_params():
+    workload = bench_host.probe_workload(torch.device("cpu"), seed=0, name="moe-probe")
+    params = list(workload.make("fp32").parameters())
+    assert workload.name == "moe-probe" and len(params) >= 2000
+    assert all(p.numel() <= 2048 for p in params)
+    assert sum(p.numel() <= 64 for p in params) >= 2000
+    loss = workload.loss(workload.make("fp32"), "fp32", 0)
+    assert loss.dim() == 0
+
+
 def test_arguments():
     args = bench_host.parse_args(["--device", "cpu"])
     assert (args.reps, args.warmup, args.micro_batches, args.model, args.threads, args.clock) \
-        == (15, 2, 4, "both", 1, "wall")
+        == (15, 2, 4, "all", 1, "wall")
     assert bench_host.parse_args(["--device", "cpu", "--quick"]).reps == 3
     with pytest.raises(SystemExit):
         bench_host.parse_args(["--device", "cpu", "--reps", "0"])

@@ -137,6 +137,37 @@ def _find_neg_bit() -> str | None:
     return None
 
 
+def _write_samples() -> list[torch.Tensor]:
+    """Tensors of every kind the write checks meet: inference or not, requiring grad or not
+    (leaf, view, non-leaf, Parameter), detached, low precision, neg and conj bits."""
+    with torch.inference_mode():
+        inference = torch.ones(4)
+        inference_bf16 = torch.ones(2, dtype=torch.bfloat16)
+        inference_view = inference[1:]
+    leaf = torch.ones(3, requires_grad=True)
+    samples = [torch.zeros(3), inference, inference_bf16, inference_view, leaf, leaf[1:],
+               leaf * 2, leaf.detach(), torch.nn.Parameter(torch.ones(2)),
+               torch.nn.Parameter(torch.ones(2), requires_grad=False),
+               torch.ones(2, dtype=torch.bfloat16), torch._neg_view(torch.ones(2)),
+               torch.ones(2, dtype=torch.complex64).conj(), torch.empty(0, dtype=torch.float16)]
+    with torch.no_grad():
+        samples.append(leaf[:2])  # a view made without grad mode: still requires grad
+    return samples
+
+
+def _start_fast_writes() -> str:
+    """Switch on the reader's own write checks (requires_grad, inference-ness) and version bump
+    where they agree with torch on samples; says which are on."""
+    keys = torch._C._dispatch_keys
+    with torch.inference_mode():
+        inference = torch.ones(2)
+    # The bits a normal tensor has and an inference one lacks: ADInplaceOrView and Autograd.
+    mask = keys(torch.zeros(2)).raw_repr() & ~keys(inference).raw_repr()
+    samples = _write_samples()
+    return _C.enable_fast_writes(samples, [t.is_inference() for t in samples],
+                                 [t.requires_grad for t in samples], mask)
+
+
 def _start_reader() -> tuple[bool, str]:
     if _C is None:
         return False, f"accumkernels._C is not built ({IMPORT_ERROR})"
@@ -154,13 +185,17 @@ def _start_reader() -> tuple[bool, str]:
             if problem is None:
                 problem = _self_test()
             if problem is None:
-                return True, f"torch C shim in {path}"
+                on = _start_fast_writes()
+                return True, f"torch C shim in {path}" + (f" (own {on})" if on else "")
             _C.disable_torch_api()
             return False, f"self-test failed: {problem}"
     return False, why
 
 
 READER, READER_NOTE = _start_reader()
+# Which write checks the reader answers itself (requires_grad, inference, bump), not through
+# Python attributes: a subset of those three names, empty without the reader.
+OWN_WRITE_CHECKS = frozenset(READER_NOTE.partition("(own ")[2].rstrip(")").split(",")) - {""}
 
 def _stream(device: torch.device) -> int:
     try:
