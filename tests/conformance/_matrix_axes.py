@@ -169,15 +169,18 @@ SINGLE_AXES = (
                    "state-rewrite"),
          "the user's hands between calls; state-rewrite: every opt.state[p] assigned a copy of "
          "itself before the first step and between windows (what device-moving tools do)"),
-    Axis("checkpoint", ("none", "save-load", "dcp-flat", "deepcopy", "native-step0",
-                        "to-native", "native-into-inner"),
-         "mid-window through torch.save/load(weights_only) / DCP flattened / load+deepcopy; "
-         "to and from native optimizers"),
+    Axis("checkpoint", ("none", "save-load", "dcp-flat", "deepcopy", "deepcopy-direct",
+                        "pickle", "native-step0", "to-native", "native-into-inner"),
+         "mid-window through torch.save/load(weights_only) / DCP flattened / load+deepcopy / "
+         "copy.deepcopy or pickle of (model, opt) (copy.copy(opt) refused first); to and from "
+         "native optimizers"),
     Axis("loop", LOOPS, "what the training loop does to the model and the optimizer "
          "(_matrix_loop.LoopActions)"),
     Axis("hooks", HOOKS, "hooks the user registers before wrapping"),
-    Axis("construct", ("by-hand", "by-name"), "AccumulatingOptimizer(inner, ...) or the class "
-         "a config names, accumkernels.optimizers.<Name>(params, **inner_kw, **options)"),
+    Axis("construct", ("by-hand", "by-name", "subclass"), "AccumulatingOptimizer(inner, ...), "
+         "the class a config names, accumkernels.optimizers.<Name>(params, **inner_kw, "
+         "**options), or a subclass of AccumulatingOptimizer with its own __init__, attribute "
+         "and step (_matrix_loop.MatrixSubclass)"),
 )
 
 
@@ -221,13 +224,9 @@ SINGLE_CONSTRAINTS = [
     # torch's fused SGD (momentum) raises TypeError natively for a param whose first gradient
     # comes after its first step (the 'unused' layer)
     _implies(_f("optimizer", "eq", "sgd-fused"), _f("params", "ne", "unused")),
-    # a native optimizer on low-precision params is no master-weight oracle; and a native
-    # state dict carries no master weights: a wrapper built after it starts its masters from
-    # the rounded model weights, where the judge's hand-kept masters keep their fp32 values
-    # (the state itself stays fp32: tests/optim/step/test_masters.py)
-    _implies(_f("checkpoint", "in", ["native-step0", "to-native", "native-into-inner"]),
-             _f("dtype", "eq", "fp32")),
-    _implies(_f("checkpoint", "in", ["native-step0", "to-native", "native-into-inner"]),
+    # a native optimizer on low-precision params is no master-weight oracle
+    _implies(_f("checkpoint", "in", ["native-step0", "to-native"]), _f("dtype", "eq", "fp32")),
+    _implies(_f("checkpoint", "in", ["native-step0", "to-native"]),
              _f("params", "ne", "mixed")),
     # a checkpoint loaded to or from a native optimizer holds no window: at a boundary
     _implies(_f("checkpoint", "in", ["native-step0", "to-native", "native-into-inner"]),

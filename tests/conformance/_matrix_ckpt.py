@@ -9,6 +9,8 @@
 - ``native-step0``: the wrapper's state dict before its first step into a native optimizer,
   which trains the case's loop natively.
 - ``to-native``: the same at the boundary after window 0.
+- ``deepcopy-direct`` / ``pickle``: mid-window, ``copy.deepcopy`` / a pickle round trip of
+  the model and the wrapper together, nothing loaded first (``copy.copy(opt)`` refused first).
 - ``native-into-inner``: window 0 natively, then the native optimizer's state dict loaded into
   the inner optimizer of a wrapper built on it (after wrapping).
 """
@@ -118,6 +120,43 @@ def native_into_inner(side: WrapperSide):
     side.ref = None
 
 
-MID = {"save-load": save_load, "dcp-flat": dcp_flat, "deepcopy": deepcopy}
+def _copy_refused(opt) -> None:
+    """copy.copy(opt) is refused (TypeError) before anything changes: the run goes on
+    against native as if it had not been called."""
+    try:
+        copy.copy(opt)
+    except TypeError as exc:
+        if "copy" not in str(exc):
+            raise Departure(f"copy.copy(opt) raised an unclear TypeError: {exc}") from exc
+    else:
+        raise Departure("copy.copy(opt) built a second live wrapper")
+
+
+def copy_direct(side: WrapperSide, through=None):
+    """Mid-window, the model and the wrapper copied together with nothing loaded first
+    (``copy.deepcopy``, or ``through``: a pickle round trip); the copy trains on, the original
+    is dropped. Natively a Parameter's copy has no ``.grad``; the wrapper's copy carries its
+    window in its state and shows it again."""
+    _copy_refused(side.opt)
+    old = side.opt
+    try:
+        model, opt = (through or copy.deepcopy)((side.model, side.opt))
+    except Exception as exc:  # noqa: BLE001
+        raise Departure(f"copying the model and the wrapper raised "
+                        f"{type(exc).__name__}: {exc}") from exc
+    if type(opt) is not type(old):
+        raise Departure(f"the copy is a {type(opt).__name__}, not a {type(old).__name__}")
+    old.remove_hooks()
+    side.model, side.opt = model, opt
+
+
+def pickled(side: WrapperSide):
+    import pickle
+
+    copy_direct(side, through=lambda obj: pickle.loads(pickle.dumps(obj)))
+
+
+MID = {"save-load": save_load, "dcp-flat": dcp_flat, "deepcopy": deepcopy,
+       "deepcopy-direct": copy_direct, "pickle": pickled}
 START = {"native-step0": to_native}
 BOUNDARY = {"to-native": to_native, "native-into-inner": native_into_inner}

@@ -136,6 +136,10 @@ MEMBERS = {
                 "test_train_eval_pass_through"),
     "eval": ex("passes through to the inner optimizer (schedule-free optimizers)", OPT_SUITE,
                "test_train_eval_pass_through"),
+    "copy.copy": ax("single.checkpoint=deepcopy-direct", "single.checkpoint=pickle"),
+    "copy.deepcopy": ax("single.checkpoint=deepcopy", "single.checkpoint=deepcopy-direct"),
+    "pickle": ax("single.checkpoint=pickle"),
+    "subclass": ax("single.construct=subclass"),
 }
 
 OPTIONS = {

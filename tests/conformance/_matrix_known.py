@@ -15,4 +15,11 @@ KNOWN_BUGS: dict[str, tuple[str, ...]] = {
     # new-2 (s110: bf16 masters x "mean" x N = 3, a master one bf16 ulp off) is fixed: a 1/N
     # fused into each add left a rounding where the native sum cancels exactly to 0
     # (tests/optim/test_window.py::test_mean_keeps_a_sum_that_cancels_exactly).
+    # 38.3c, in part again (issue 61's new checkpoint rows): a native state dict loaded into
+    # the inner optimizer after wrapping now stays fp32 (it was cast to bf16/fp16 and crashed
+    # the foreach steps), but fp16 models and mixed fp32/bf16 ones still end a few ulps off
+    # native from the first step after the load (bf16 models match).
+    "s032": ("37.1", "37.3b", "37.3d", "38.3c"),
+    "s044": ("38.3c", "38.4"),
+    "s133": ("38.3c",),
 }

@@ -143,4 +143,8 @@ MULTI_WITNESSES = [dict(_MBASE, **kw) for kw in (
     {"layout": "ddp", "reduction": "weighted-after", "clip": "user"},  # 37.5c
     {"layout": "pipe-zbv-forgotten", "optimizer": "adamw-fused"},  # 37.4
     {"layout": "process_group", "clip": "user"},  # new-1
+    # (issue 61.7) a zero-weight rank where nothing cancels a wrong weight total: no clip that
+    # acts, no AdamW (both undo a global gradient scale)
+    {"layout": "fsdp2", "reduction": "weighted-before", "ranks": "zero-weight"},
+    {"layout": "ddp", "reduction": "weighted-after", "ranks": "zero-weight"},
 )]

@@ -70,11 +70,26 @@ class Ctx:
             if inner is None:
                 inner = self.opt.build(initial_params(self, model))
                 install_inner_hooks(self, inner)
-            opt = AccumulatingOptimizer(inner, **options, model=model)
+            cls = MatrixSubclass if self.case.get("construct") == "subclass" \
+                else AccumulatingOptimizer
+            opt = cls(inner, **options, model=model)
         if self.hooks == "wrapper-post-hook":
             opt.register_step_post_hook(lambda o, args, kwargs: shrink(model.parameters()))
         install_after_hooks(self, model, native=False)
         return opt
+
+
+class MatrixSubclass(AccumulatingOptimizer):
+    """construct=subclass: a user's subclass with its own __init__, an attribute and a step
+    override (it counts the step() calls; copies must keep the class and the count)."""
+
+    def __init__(self, inner, **options):
+        super().__init__(inner, **options)
+        self.step_calls = 0
+
+    def step(self, closure=None):
+        self.step_calls += 1
+        return super().step(closure)
 
 
 def roundtrip(obj):

@@ -52,9 +52,10 @@ NOT_GRAD = "no part of the gradient path: the model's forward, buffers or struct
 def wrapper_members() -> set[str]:
     from accumkernels import AccumulatingOptimizer
 
-    # (and the ways in that are no attribute: a closure, the inner optimizer's pass-throughs)
+    # (and the ways in that are no attribute: a closure, the inner optimizer's pass-throughs,
+    # the copies Python makes of any object, a subclass)
     return {n for n in dir(AccumulatingOptimizer) if not n.startswith("_")} | {
-        "step(closure)", "train", "eval"}
+        "step(closure)", "train", "eval", "copy.copy", "copy.deepcopy", "pickle", "subclass"}
 
 
 def wrapper_options() -> set[str]:
