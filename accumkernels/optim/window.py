@@ -53,6 +53,7 @@ class Window:
         self._reduction = config.reduction
         self._weighted = config.weighted
         self.storage = storage
+        self._fuse_mean = True  # (off for good once compiled autograd met the window)
         self.boundary_only: bool | None = None
         self.reset()
 
@@ -67,7 +68,8 @@ class Window:
         # would leave that rounding where native has 0; then the sum is divided once, when the
         # N-th backward is in. (A layout that normalises only at the step fuses any 1/N.)
         n = self._n
-        fuse = self._mean and n and (n & (n - 1) == 0 or self._fuse_inexact_mean)
+        fuse = self._mean and n and self._fuse_mean and (n & (n - 1) == 0
+                                                         or self._fuse_inexact_mean)
         self.divisor = float(n) if fuse else 1.0
         self.carried_only = False
         self.carry_scale: torch.Tensor | float | None = None
@@ -193,6 +195,14 @@ class Window:
         """The scale fused into each launch: unscale the loss, 1/N for 'mean' with a known N
         (a power of two)."""
         return (1.0 / loss_scale) / self.divisor
+
+    def unfuse_mean(self) -> None:
+        """Fuse no 1/N into the adds from now on, in this window and the next ones (compiled
+        autograd adds gradients into the views unscaled): the storage is rescaled to hold the
+        plain sum (exact: a fused 1/N is a power of two) and divided once when the N-th
+        backward is in."""
+        self._fuse_mean = False
+        self.normalise(1.0)
 
     def keeps_on_clear(self) -> bool:
         """A clear now keeps the window: N given and the window still filling."""

@@ -7,10 +7,12 @@ included): a final callback queued on the autograd engine does (accumkernels._to
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
 
 from accumkernels._torch_private import current_autograd_node, queue_callback
+from accumkernels.optim.intake.compiled import eager
 
 
 @dataclass(slots=True)
@@ -24,6 +26,8 @@ class Running:
     show_now: bool = False  # its post hooks show each view as they go
     shown_at_begin: bool = False  # when it began, every param showed what expose() shows
     refused: bool = False  # the wrapper refused a gradient of it (it raised): no micro-batch
+    compiled: bool = False  # it runs under compiled autograd (accumkernels.optim.intake.compiled)
+    met_compiled: bool = False  # some backward of the intake's ran under compiled autograd
 
     def starting(self) -> bool:
         """Whether a hook now begins a backward: none runs, or the last one raised."""
@@ -37,17 +41,30 @@ class Running:
         """Queue the running backward's final callback (:class:`EndOfBackward`) for ``intake``.
         A backward that raises drops it unrun; the weakref's callback then closes the backward
         at once (``intake.settle()``), so ``.grad`` holds what its AccumulateGrads added, as
-        natively, before the user's next line runs (a clip, a clear) and not at the next event."""
+        natively, before the user's next line runs (a clip, a clear) and not at the next event.
+        Under compiled autograd the callback is never run, only dropped: that ends the backward."""
         end = EndOfBackward(intake)
-        me = weakref.ref(intake)
-
-        def dropped(ref):
-            owner = me()
-            if owner is not None and owner.run.end_ref is ref:  # (not a later backward's)
-                owner.settle()
-
-        self.end_ref = weakref.ref(end, dropped)
+        self.end_ref = weakref.ref(end, functools.partial(_dropped, weakref.ref(intake)))
         queue_callback(end)
+
+    def defer_to(self, intake, node) -> None:
+        """The backward is nested in the one running ``node``: that one ends the micro-batch."""
+        self.deferred, intake.state.fast = True, None
+
+        def outer_continues(*_):
+            self.deferred = False
+            self.queue_end(intake)
+
+        node.register_hook(outer_continues)
+
+
+@eager
+def _dropped(me, ref) -> None:
+    """The final callback ``ref`` of a backward was dropped unrun (it raised, or ran under
+    compiled autograd): close that backward, unless a later one runs."""
+    owner = me()
+    if owner is not None and owner.run.end_ref is ref:  # (not a later backward's)
+        owner.settle()
 
 
 class EndOfBackward:
@@ -66,7 +83,7 @@ class EndOfBackward:
             return
         node = current_autograd_node() if self.nested else None
         if node is not None:  # nested in a running backward: the outer one ends the micro-batch
-            intake.defer_to(node)
+            intake.run.defer_to(intake, node)
             return
         if not self.requeued:  # run once more, after the other final callbacks
             self.requeued = True

@@ -147,8 +147,9 @@ class Guard:
         """Touched params whose ``.grad`` is None although the wrapper showed their views."""
         intake = self.intake
         window = intake.window
-        cleared = [p for p, held in zip(intake.params, window.held(intake.params))
-                   if held and p.grad is None]
+        cleared = [p for p, held, shown in zip(intake.params, window.held(intake.params),
+                                               intake.showable)
+                   if held and shown is not None and p.grad is None]
         if not cleared:
             return
         if window.keeps_on_clear():

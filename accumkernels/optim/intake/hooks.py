@@ -22,6 +22,7 @@ from accumkernels._torch_private import (
     run_post_accumulate_hook_first,
 )
 from accumkernels._util import LOW_PRECISION
+from accumkernels.optim.intake.compiled import eager
 from accumkernels.ops.host import grad_hook_types
 
 HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
@@ -92,8 +93,11 @@ class HookOrder:
         self.handles.append(self.post[i])
 
 
+# (under compiled autograd Dynamo would trace the Python hooks: they run eagerly, a graph break
+# each, as the C ones do, which it cannot trace; accumkernels.optim.intake.compiled)
 def _calling(intake_ref, method: str, i: int):
     """The Python pre or post hook: ``intake.<method>(i, grad or param)``."""
+    @eager
     def hook(arg):
         intake = intake_ref()
         if intake is not None:
@@ -102,6 +106,7 @@ def _calling(intake_ref, method: str, i: int):
 
 
 def _outside_hook(intake_ref):
+    @eager
     def hook(param):
         intake = intake_ref()
         if intake is not None and param.requires_grad:  # (frozen since the forward: nothing)
@@ -110,6 +115,7 @@ def _outside_hook(intake_ref):
 
 
 def _front_hook(intake_ref, i: int):
+    @eager
     def hook(param):
         intake = intake_ref()
         if intake is not None:

@@ -56,6 +56,7 @@ import torch
 
 from accumkernels.buffer import MasterGradBuffer
 from accumkernels.ops.host import grads_are
+from accumkernels.optim.intake import compiled
 from accumkernels.optim.intake.backward import Running, remove_handles
 from accumkernels.optim.intake.guard import FORGOTTEN_LINE, Guard, pipeline_weight_pass
 from accumkernels.optim.intake.hooks import HookOrder
@@ -125,6 +126,7 @@ class Intake:
         self.buffer = buffer
         self.views[:] = [buffer.view(p) for p in self.params]
         self.showable[:] = showable_views(self.params, self.views)
+        compiled.hide_low_precision(self)  # (once a backward ran under compiled autograd)
         self.moves.rebase(buffer)
         for p, view, was_shown in zip(self.params, self.views, shown):
             if was_shown:
@@ -141,6 +143,7 @@ class Intake:
     def _begin(self) -> None:
         self.settle()
         if not self.run.active:
+            self.run.compiled = compiled.begins(self)  # (it refuses what cannot meet it)
             self.guard.check_backward()  # (a followed move rebuilds the window: before anything)
             if not self.in_weight_pass and pipeline_weight_pass():
                 self.forgotten_line = True  # raised at step() (every rank gets there)
@@ -148,6 +151,8 @@ class Intake:
             if self.left.grads:
                 self.left.cleared()
             self.run.active, self.run.got_grad, self.run.deferred = True, False, False
+            if self.run.compiled:
+                compiled.prepare(self)
             self.run.shown_at_begin = self.display.shows_window()
             if self.guard.shown:
                 if not self.run.shown_at_begin:  # .grad cleared from outside since the views were
@@ -161,8 +166,8 @@ class Intake:
             # to show when every param showed it at the begin), unless the window stays hidden
             self.run.show_now = self.move_in_backward and not self.in_weight_pass and not ddp \
                 and not self.check_each_microbatch
-            self.state.fast = self.run.end_ref if self.run.show_now and not torch.is_grad_enabled() \
-                else None  # (grad mode inside a backward: create_graph=True)
+            self.state.fast = self.run.end_ref if self.run.show_now and not self.run.compiled \
+                and not torch.is_grad_enabled() else None  # (grad mode: create_graph=True)
             if ddp:
                 # DDP reads p.grad of params this backward gives no gradient too (those its
                 # graph search found unused): none may show the fp32 window (see the docstring),
@@ -187,15 +192,6 @@ class Intake:
         if self.guard.shown:
             self.guard.cleared_outside()
 
-    def defer_to(self, node) -> None:
-        self.run.deferred, self.state.fast = True, None
-
-        def outer_continues(*_):
-            self.run.deferred = False
-            self.run.queue_end(self)
-
-        node.register_hook(outer_continues)
-
     def arrived(self, count: bool = True) -> None:
         """A hook of ours runs in a backward (begun here if it is new); ``count``: it saw a
         gradient of this backward, which makes the backward a micro-batch."""
@@ -208,6 +204,8 @@ class Intake:
         """The tensor pre-hook: p's gradient of this backward comes next; hide p's view."""
         if self.run.starting():
             self._begin()
+        if self.run.compiled:
+            return  # (autograd adds into the .grad it read when the backward started)
         p = self.params[i]
         g = p.grad
         if g is None:
@@ -259,6 +257,8 @@ class Intake:
             self.window.touch([p])  # until the next call absorbs it
             self.hidden.add(i)  # (the end of the backward shows the rest: expose)
             return
+        if self.run.compiled:  # (autograd added it into the view it found, or it moves now)
+            return compiled.after_grad(self, i, p, g)
         if self.run.show_now:  # held below until moved; .grad shows the window meanwhile
             self.display.show(i, p)
             self.hidden.discard(i)
@@ -351,7 +351,7 @@ class Intake:
             g = p.grad
             if g is not None and g is not view:
                 self.absorb(p, g)
-                p.grad = view
+                p.grad = self.showable[self.moves.index[id(p)]]
 
     def absorb(self, p: torch.Tensor, g: torch.Tensor) -> None:
         self.moves.absorb(p, g)
@@ -366,3 +366,9 @@ class Intake:
         """``.grad`` None on every param and master (the window itself is untouched)."""
         self.guard.shown = False
         self.display.hide_all()
+
+
+# The entries the C hooks call run eagerly under compiled autograd (the Python hooks do too)
+for _name in ("before_grad", "after_grad", "launch_held"):
+    setattr(Intake, _name, compiled.eager(getattr(Intake, _name)))
+del _name

@@ -45,15 +45,17 @@ class Display:
                 and self.masters.grads_are(params, views):
             return  # (each .grad shows its view already)
         held, masters = self.window.held(params), self.masters.masters  # (id(p) -> master)
-        for p, view, holds in zip(params, views, held):
+        for p, view, shown, holds in zip(params, views, self.showable, held):
             if not holds:
                 continue
             master = masters.get(id(p)) if masters else None
             if master is not None and master.grad is not view:
                 master.grad = view
             g = p.grad
-            if g is not view and (g is None or not g.requires_grad) \
-                    and (HAS_GRAD_DTYPE or p.dtype not in LOW_PRECISION):
+            if shown is None:  # (an fp32 .grad cannot sit on it: p.main_grad shows the view)
+                if g is view:
+                    p.grad = None
+            elif g is not view and (g is None or not g.requires_grad):
                 p.grad = view  # (a .grad carrying create_graph's graph stays until absorbed)
 
     def show(self, i: int, p: torch.Tensor) -> None:

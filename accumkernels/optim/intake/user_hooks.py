@@ -47,6 +47,8 @@ class FrontMoves:
             return  # (undefined, or carrying create_graph's graph: after_grad's cases)
         intake.arrived()
         view = intake.views[i]
+        if g is view and intake.run.compiled:
+            return  # compiled autograd added it into the view: the user's hooks see the window
         if intake.check_each_microbatch:  # checked at the end; put back if dropped
             if i not in self.saved:
                 self.saved[i] = view.clone() if intake.window.holds(p) else None
@@ -64,7 +66,7 @@ class FrontMoves:
         if g is not None and g is not intake.views[i] and not g.requires_grad:
             self.moves.absorb(p, g)  # a .grad the user's hook assigned: p's gradient now
         # hidden again in a multi-rank job (DDP must not see the window: the intake's docstring)
-        p.grad = None if intake.sync.ddp_possible() else intake.views[i]
+        p.grad = None if intake.sync.ddp_possible() else intake.showable[i]
         if self.early[i] or intake.check_each_microbatch:
             return  # (counted already; skip_microbatch moves the rest at the end)
         self.early[i] = True
