@@ -140,6 +140,10 @@ MEMBERS = {
     "copy.deepcopy": ax("single.checkpoint=deepcopy", "single.checkpoint=deepcopy-direct"),
     "pickle": ax("single.checkpoint=pickle"),
     "subclass": ax("single.construct=subclass"),
+    "compiled_autograd": ax("single.autograd=eager", "single.autograd=compiled"),
+    "compiled_autograd(fullgraph=True)": ex(
+        "Dynamo cannot trace the wrapper's hooks: it raises before the backward runs, nothing "
+        "changed", "tests/optim/intake/test_compiled_autograd.py", "fullgraph"),
 }
 
 OPTIONS = {

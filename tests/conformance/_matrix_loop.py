@@ -45,6 +45,7 @@ class Ctx:
         self.in_backward, self.masters, self.checkpoint = (c["in_backward"], c["masters"],
                                                           c["checkpoint"])
         self.loop, self.hooks = c.get("loop", "opt-zero_grad"), c.get("hooks", "none")
+        self.autograd = c.get("autograd", "eager")
         self.loss_scale = LOSS_SCALE if self.dtype == torch.float16 else None
         self.seed = zlib.crc32(self.cid.encode()) % 10_000
         self.exact = (self.dtype == torch.float32 and self.params != "mixed"
@@ -120,7 +121,13 @@ def wrapper_grads(ctx: Ctx, opt, model, loss, mode: str) -> None:
     """Bring micro-batch gradients in the case's way (``mode``) on the wrapper's side."""
     params = trainable(model)
     if mode == "backward":
-        loss.backward()
+        if ctx.autograd == "compiled":
+            from torch._dynamo import compiled_autograd
+
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                loss.backward()
+        else:
+            loss.backward()
         return
     if mode == "raise":
         raising_backward(model, loss)
@@ -223,6 +230,8 @@ class WrapperSide:
         self.ref: Reference | None = None
         self.opt = None
         self.added = False  # loop=add_param_group-mid: the wrapper took the group
+        if ctx.autograd == "compiled":
+            torch._dynamo.reset()  # (no graph of an earlier case's model or hooks reused)
         if ctx.checkpoint == "native-into-inner":
             self.ref = Reference(ctx, model)  # window 0 natively, then into a wrapper's inner
         else:

@@ -55,7 +55,8 @@ def wrapper_members() -> set[str]:
     # (and the ways in that are no attribute: a closure, the inner optimizer's pass-throughs,
     # the copies Python makes of any object, a subclass)
     return {n for n in dir(AccumulatingOptimizer) if not n.startswith("_")} | {
-        "step(closure)", "train", "eval", "copy.copy", "copy.deepcopy", "pickle", "subclass"}
+        "step(closure)", "train", "eval", "copy.copy", "copy.deepcopy", "pickle", "subclass",
+        "compiled_autograd", "compiled_autograd(fullgraph=True)"}
 
 
 def wrapper_options() -> set[str]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from accumkernels._torch_private import compiled_autograd_on
-from accumkernels._util import LOW_PRECISION
+from accumkernels._util import LOW_PRECISION, warn_user
 
 __all__ = ["after_grad", "begins", "eager", "hide_low_precision", "prepare", "refusal"]
 
@@ -72,6 +72,11 @@ def prepare(intake) -> None:
     """At the backward's begin, before any gradient of it lands: the window's scale is 1, an
     ``.grad`` the user assigned is what p's gradient means from now on, and bf16/fp16 params
     no longer show their fp32 view in ``.grad`` (:func:`hide_low_precision`)."""
+    if not intake.run.met_compiled and any(p.dtype in LOW_PRECISION for p in intake.params):
+        warn_user("compiled autograd: the bf16/fp16 params' window is in p.main_grad, not "
+                  "in p.grad (compiled autograd cannot capture a param whose .grad has another "
+                  "dtype), so model.zero_grad() and p.grad = None cannot clear it: clear with "
+                  "opt.zero_grad() (docs/troubleshooting.md, compiled autograd)")
     intake.run.met_compiled = True
     hide_low_precision(intake)
     window = intake.window

@@ -478,3 +478,27 @@ def test_bf16_first_compiled_backward_mid_window_fails_in_torch_and_changes_noth
     ref = copy.deepcopy(start)
     hand_kept(ref, "SGD-by-name", data, plain, "mean", 3, [], True, True)
     _assert_params(ours, ref, "after the failed capture")
+
+
+def test_low_precision_params_warn_that_only_opt_zero_grad_clears():
+    """bf16 params under compiled autograd show no window in ``.grad`` (it is in
+    ``p.main_grad``): ``model.zero_grad()`` cannot reach it, and the first compiled backward
+    says so once (an AccumulationWarning naming ``opt.zero_grad()``); an fp32 model does not."""
+    import warnings
+
+    from accumkernels.optim import AccumulationWarning
+
+    for dtype, warns in ((torch.bfloat16, True), (torch.float32, False)):
+        torch._dynamo.reset()
+        model = nn.Linear(4, 2).to(dtype)
+        opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                with compiled_autograd._enable(torch.compile(backend="eager")):
+                    model(torch.randn(3, 4, dtype=dtype)).float().sum().backward()
+        ours = [w for w in seen if issubclass(w.category, AccumulationWarning)]
+        assert len(ours) == (1 if warns else 0), [str(w.message) for w in ours]
+        if warns:
+            assert "opt.zero_grad()" in str(ours[0].message)
+        opt.step()
