@@ -170,3 +170,16 @@ def _bench_results_elsewhere(tmp_path_factory):
         os.environ.pop("ACCUMBENCH_RESULTS_DIR", None)
     else:
         os.environ["ACCUMBENCH_RESULTS_DIR"] = old
+
+
+@pytest.fixture(params=["cxx", "python"])
+def reader(request, monkeypatch):
+    """The op with the C++ tensor reader (the fast path, its own write checks) or with the
+    Python rules alone (tests/op)."""
+    from accumkernels.ops.backends import native
+
+    if request.param == "cxx" and not native.READER:
+        pytest.skip(f"C++ tensor reader is off: {native.READER_NOTE}")
+    if request.param == "python":
+        monkeypatch.setattr(native, "READER", False)
+    return request.param

@@ -21,21 +21,10 @@ from torch.utils._pytree import tree_map
 
 import accumkernels
 from accumkernels import MasterGradBuffer
-from accumkernels.ops.backends import native
 from accumkernels.ops.plan import LaunchPlan
 
 BACKENDS = ["cpu", "torch", "cuda_host"] + ([] if HAS_CUDA else ["triton"])
 ROOT = Path(__file__).resolve().parents[2]  # the repository
-
-
-@pytest.fixture(params=["cxx", "python"])
-def reader(request, monkeypatch):
-    """With the C++ tensor reader (the fast path) or with the Python rules alone."""
-    if request.param == "cxx" and not native.READER:
-        pytest.skip(f"C++ tensor reader is off: {native.READER_NOTE}")
-    if request.param == "python":
-        monkeypatch.setattr(native, "READER", False)
-    return request.param
 
 
 def rand(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -17,20 +17,9 @@ from torch import nn
 
 import accumkernels
 from accumkernels import MasterGradBuffer
-from accumkernels.ops.backends import native
 from accumkernels.ops.plan import LaunchPlan
 
 BACKENDS = ["cpu", "torch"] + ([] if HAS_CUDA else ["triton"])
-
-
-@pytest.fixture(params=["cxx", "python"])
-def reader(request, monkeypatch):
-    """Run with the C++ tensor reader (the fast path) or with the Python spec alone."""
-    if request.param == "cxx" and not native.READER:
-        pytest.skip(f"C++ tensor reader is off: {native.READER_NOTE}")
-    if request.param == "python":
-        monkeypatch.setattr(native, "READER", False)
-    return request.param
 
 
 def rand(n, dtype=torch.float32, shape=None):

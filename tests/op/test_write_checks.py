@@ -14,16 +14,6 @@ import accumkernels
 from accumkernels.ops.backends import native
 
 
-@pytest.fixture(params=["cxx", "python"])
-def reader(request, monkeypatch):
-    """The C++ reader (its own write checks) or the Python spec alone."""
-    if request.param == "cxx" and not native.READER:
-        pytest.skip(f"C++ tensor reader is off: {native.READER_NOTE}")
-    if request.param == "python":
-        monkeypatch.setattr(native, "READER", False)
-    return request.param
-
-
 def test_the_reader_answers_the_write_rules_itself():
     """On the torch this suite runs with, the reader needs no Python attribute per dst (else
     the tests below would only exercise the attribute path)."""

@@ -460,6 +460,17 @@ def test_reset_window_drops_unmoved_backwards():
     _assert_same(model, ref)
 
 
+def _clear(clear: str, opt, model) -> None:
+    """The loop's clear: ``opt.zero_grad()``, ``model.zero_grad()`` or ``p.grad = None``."""
+    if clear == "opt":
+        opt.zero_grad()
+    elif clear == "model":
+        model.zero_grad()
+    else:
+        for p in model.parameters():
+            p.grad = None
+
+
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("clear", ["opt", "model", "param"])
 def test_outside_clear_mid_window_means_zero_grad(clear, reduction):
@@ -478,13 +489,7 @@ def test_outside_clear_mid_window_means_zero_grad(clear, reduction):
             mse(model, x, y).backward()
             if opt.sync_step:  # (a step() mid-window would move .grad into the window)
                 opt.step()
-            if clear == "opt":
-                opt.zero_grad()
-            elif clear == "model":
-                model.zero_grad()
-            else:
-                for p in model.parameters():
-                    p.grad = None
+            _clear(clear, opt, model)
             (mse(ref, x, y) * scale).backward()
         native.step()
         native.zero_grad()
@@ -505,15 +510,6 @@ def test_clear_between_backwards_restarts_the_window_without_n(clear, reduction,
     opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                 reduction=reduction, accumulate_in_backward=in_backward)
 
-    def clear_it(o, m):
-        if clear == "opt":
-            o.zero_grad()
-        elif clear == "model":
-            m.zero_grad()
-        else:
-            for p in m.parameters():
-                p.grad = None
-
     for after_clear in (1, 2):  # one backward thrown away, then 1 (2) backwards kept
         data = batches(1 + after_clear, 5)
         scale = 1 / after_clear if reduction == "mean" else 1.0
@@ -521,8 +517,8 @@ def test_clear_between_backwards_restarts_the_window_without_n(clear, reduction,
             mse(model, x, y).backward()
             (mse(ref, x, y) * scale).backward()
             if i == 0:
-                clear_it(opt, model)
-                clear_it(native, ref)
+                _clear(clear, opt, model)
+                _clear(clear, native, ref)
         opt.step()
         native.step()
         _assert_same(model, ref, atol=0, what=f"{after_clear} after the clear: ")
