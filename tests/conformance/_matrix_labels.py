@@ -45,6 +45,9 @@ def labels(case: dict) -> list[str]:
         out.append("38.4")
     if case.get("autograd") == "compiled" and case.get("hooks") == "post-hook-after":
         out.append("new-4")
+    if (grads == "raise" and case["nonfinite"] == "nan-raise"
+            and case["hands"] == "zero_grad-keep" and case["reduction"].startswith("weighted")):
+        out.append("new-5")
     return out
 
 # found by the matrix itself (not in issues 37/38): reported to the lead with a repro
@@ -55,6 +58,10 @@ BUGS["new-1"] = ("process_group: a user's clip_grad_norm_ before step() sees the
 BUGS["new-4"] = ("compiled autograd x a post-accumulate hook registered after wrapping: "
                  "what the hook sees and writes departs (a param frozen after the forward, a "
                  "kept-zero clear)")
+
+
+BUGS["new-5"] = ("a backward that raised with a NaN in it, nonfinite='raise', then "
+                 "zero_grad(set_to_none=False), weighted: the next window's first param departs")
 
 
 def labels_multi(case: dict) -> list[str]:
