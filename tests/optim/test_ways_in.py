@@ -209,16 +209,22 @@ def _closure_wrapped(model, data, clip=None):
     return closure
 
 
-def test_lbfgs_bf16_masters_move_the_model():
-    """LBFGS on a bf16 model with master weights (the default) steps the fp32 masters, each
-    closure evaluation at their current point, as hand-kept fp32 masters stepped by LBFGS do
-    (the model never moved: LBFGS keeps its own list of params)."""
+def _lbfgs_bf16():
+    """A bf16 model under a wrapped LBFGS, its twin with hand-kept fp32 masters under a native
+    LBFGS, and two bf16 micro-batches: (model, ref, data, masters, native, opt)."""
     model = make_model(torch.bfloat16)
     ref = copy.deepcopy(model)
     data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(2, 6)]
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ref.parameters()]
-    native = _lbfgs(masters)
-    opt = AccumulatingOptimizer(_lbfgs(model.parameters()))
+    return model, ref, data, masters, _lbfgs(masters), AccumulatingOptimizer(
+        _lbfgs(model.parameters()))
+
+
+def test_lbfgs_bf16_masters_move_the_model():
+    """LBFGS on a bf16 model with master weights (the default) steps the fp32 masters, each
+    closure evaluation at their current point, as hand-kept fp32 masters stepped by LBFGS do
+    (the model never moved: LBFGS keeps its own list of params)."""
+    model, ref, data, masters, native, opt = _lbfgs_bf16()
     before = [p.detach().clone() for p in model.parameters()]
     for _ in range(3):
         theirs = native.step(_closure_native(ref, masters, data))
@@ -240,12 +246,7 @@ def test_lbfgs_bf16_weights_written_between_steps_are_taken_in(write):
     LBFGS steps from, the written point), as hand-kept fp32 masters reset from the written
     bf16 weights do natively. A slip that takes them in only after the closure evaluates the
     loss at the old point: the losses differ at once."""
-    model = make_model(torch.bfloat16)
-    ref = copy.deepcopy(model)
-    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(2, 6)]
-    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ref.parameters()]
-    native = _lbfgs(masters)
-    opt = AccumulatingOptimizer(_lbfgs(model.parameters()))
+    model, ref, data, masters, native, opt = _lbfgs_bf16()
     scale = torch.rand(()).item() * 0.5 + 0.25  # a fresh write each run
 
     def write_into(m):
