@@ -88,8 +88,18 @@ def environment(device: torch.device) -> dict:
         "accumkernels": getattr(accumkernels, "__version__", None),
         "available_backends": list(accumkernels.available_backends(device)),
         "native_build": _native_build(),
+        # torch's own CPU kernels' vector level (ATEN_CPU_CAPABILITY caps it): the inner
+        # optimizer's pass, the floors' and the baselines' code; "simd" above is ours
+        "aten_cpu_capability": _aten_cpu_capability(),
         "git_commit": commit, "git_dirty": dirty,
     }
+
+
+def _aten_cpu_capability() -> str | None:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _native_build() -> dict | None:
